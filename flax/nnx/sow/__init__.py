@@ -1,0 +1,40 @@
+# Copyright 2026 The Flax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""Functional capture of intermediate values: ``sow``, ``capture``, ``perturb``.
+
+``sow(value, name=...)`` tags a value anywhere in a JAX program;
+``capture(f)`` returns ``(f(...), collected)`` with every tagged value by
+name; ``perturb(value, name=...)`` collects the cotangent arriving at a value.
+See ``docs/guide.md``.
+"""
+
+from flax.nnx.sow import rules as _rules  # registers the call-like rules
+from flax.nnx.sow.capture import Collected
+from flax.nnx.sow.capture import capture
+from flax.nnx.sow.capture import collect_rules
+from flax.nnx.sow.perturb import perturb
+from flax.nnx.sow.primitive import sow
+from flax.nnx.sow.primitive import sow_p
+
+__all__ = [
+    'Collected',
+    'capture',
+    'collect_rules',
+    'perturb',
+    'sow',
+    'sow_p',
+]
+
+del _rules

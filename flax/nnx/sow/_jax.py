@@ -1,0 +1,150 @@
+# Copyright 2026 The Flax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""The one place where this package touches JAX internals.
+
+Every ``jax._src`` name the rewrite and the rules use is imported here, so a
+new JAX release is adapted in this file alone. The tested range is declared in
+``pyproject.toml`` (``jax>=0.10.2,<0.11``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import typing as tp
+
+import jax
+import jax.numpy as jnp
+from jax._src import ad_checkpoint
+from jax._src import core
+from jax._src import custom_derivatives
+from jax._src import effects
+from jax._src import linear_util as lu
+from jax._src import pjit
+from jax._src import source_info_util
+from jax._src.interpreters import ad
+from jax._src.interpreters import batching
+from jax._src.interpreters import mlir
+from jax._src.interpreters import partial_eval as pe
+from jax._src.lax import control_flow as lax_control_flow
+from jax._src.named_sharding import UNSPECIFIED
+
+Jaxpr = core.Jaxpr
+ClosedJaxpr = core.ClosedJaxpr
+JaxprEqn = core.JaxprEqn
+Literal = core.Literal
+Var = core.Var
+Primitive = core.Primitive
+Effect = effects.Effect
+SymbolicZero = custom_derivatives.SymbolicZero
+Zero = ad.Zero
+
+jit_p = pjit.jit_p
+closed_call_p = core.closed_call_p
+call_p = core.call_p
+remat_p = ad_checkpoint.remat_p
+custom_jvp_call_p = custom_derivatives.custom_jvp_call_p
+custom_vjp_call_p = custom_derivatives.custom_vjp_call_p
+scan_p = lax_control_flow.scan_p
+while_p = lax_control_flow.while_p
+cond_p = lax_control_flow.cond_p
+
+typeof = core.typeof
+jaxpr_as_fun = core.jaxpr_as_fun
+eval_jaxpr = core.eval_jaxpr
+find_top_trace = core.find_top_trace
+trace_ctx = core.trace_ctx
+convert_constvars_jaxpr = pe.convert_constvars_jaxpr
+primitive_jvps = ad.primitive_jvps
+primitive_transposes = ad.primitive_transposes
+fancy_primitive_batchers = batching.fancy_primitive_batchers
+register_lowering = mlir.register_lowering
+user_context = source_info_util.user_context
+current_name_stack = source_info_util.current_name_stack
+
+
+def allow_effect(effect_type: type[Effect]) -> None:
+  """Registers ``effect_type`` where JAX checks effects of staged programs."""
+  effects.lowerable_effects.add_type(effect_type)
+  effects.control_flow_allowed_effects.add_type(effect_type)
+  effects.custom_derivatives_allowed_effects.add_type(effect_type)
+  effects.remat_allowed_effects.add_type(effect_type)
+
+
+def debug_info(name: str, num_args: int) -> lu.DebugInfo:
+  """A ``DebugInfo`` for a function this package traces itself."""
+  return lu.DebugInfo(
+      'capture', name, tuple(f'arg{i}' for i in range(num_args)), None
+  )
+
+
+def wrap_init(fn: tp.Callable, name: str, num_args: int) -> lu.WrappedFun:
+  return lu.wrap_init(fn, debug_info=debug_info(name, num_args))
+
+
+def trace_to_closed_jaxpr(
+    fn: tp.Callable, in_avals: tp.Sequence[tp.Any], name: str
+) -> ClosedJaxpr:
+  """Stages flat ``fn`` at ``in_avals`` into a closed jaxpr."""
+  wrapped = wrap_init(fn, name, len(in_avals))
+  jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(wrapped, list(in_avals))
+  return ClosedJaxpr(jaxpr, consts)
+
+
+def close_over_nothing(closed: ClosedJaxpr) -> tuple[Jaxpr, list[tp.Any]]:
+  """Turns constants into leading inputs, for rules that need an open jaxpr."""
+  return convert_constvars_jaxpr(closed.jaxpr), list(closed.consts)
+
+
+def jaxprs_in_params(params: dict[str, tp.Any]) -> tp.Iterator[Jaxpr]:
+  return core.jaxprs_in_params(params)
+
+
+def bind_equation(eqn: JaxprEqn, invals: tp.Sequence[tp.Any]) -> list[tp.Any]:
+  """Binds ``eqn``'s primitive on the current trace, as ``eval_jaxpr`` does."""
+  params = eqn.primitive.get_bind_params(eqn.params)
+  out = eqn.primitive.bind(*invals, **params)
+  return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def equation_context(eqn: JaxprEqn):
+  """The source-info and equation context ``eval_jaxpr`` binds ``eqn`` in."""
+  name_stack = current_name_stack() + eqn.source_info.name_stack
+  stack = contextlib.ExitStack()
+  stack.enter_context(
+      user_context(eqn.source_info.traceback, name_stack=name_stack)
+  )
+  stack.enter_context(eqn.ctx.manager)
+  return stack
+
+
+def zeros_like_tangent(x: tp.Any) -> tp.Any:
+  """Instantiated zeros of the tangent type of ``x`` (float0 for integers)."""
+  return ad.instantiate_zeros(Zero(typeof(x).to_tangent_aval()))
+
+
+def as_value(x: tp.Any) -> tp.Any:
+  """A literal's value as an array; anything else unchanged."""
+  if isinstance(x, (core.Tracer, jax.Array)):
+    return x
+  return jnp.asarray(x)
+
+
+def eval_closed(closed: ClosedJaxpr, args: tp.Sequence[tp.Any]) -> list:
+  """``eval_jaxpr`` of a closed jaxpr; literal outputs come back as arrays."""
+  return [as_value(x) for x in eval_jaxpr(closed.jaxpr, closed.consts, *args)]
+
+
+def memoize_thunk(fn):
+  return pe._memoize(fn)  # pylint: disable=protected-access

@@ -1,0 +1,597 @@
+# Copyright 2026 The Flax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""The capture transform: stage ``f``, then evaluate its jaxpr collecting sows.
+
+This file owns the generic loop. ``capture(f)`` traces ``f`` to a jaxpr and
+evaluates it on the caller's trace with :func:`eval_collecting`, an
+interpreter that binds every equation as ``jax.core.eval_jaxpr`` would, except
+that
+
+* an accepted ``sow`` equation is recorded in a :class:`Collector` instead of
+  being bound, and
+* a higher-order primitive whose sub-jaxprs hold accepted sows is handed to
+  the rule registered for it in :data:`collect_rules`; the rule re-binds the
+  primitive with rewritten sub-jaxprs that return the collected values as
+  extra outputs (``rules.py``, ``loops.py``).
+
+Everything else, including every sub-jaxpr with nothing to collect, is bound
+exactly as it was, so custom rules and compiled ``jit`` entries are kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+import typing as tp
+import weakref
+
+import jax
+import numpy as np
+
+from flax.nnx.sow import _jax
+from flax.nnx.sow.primitive import Name
+from flax.nnx.sow.primitive import Reduction
+from flax.nnx.sow.primitive import sow_p
+
+Rule = tp.Callable[['Collector', _jax.JaxprEqn, list[tp.Any]], list[tp.Any]]
+
+collect_rules: dict[_jax.Primitive, Rule] = {}
+"""Rules for higher-order primitives, keyed by primitive.
+
+``rule(collector, eqn, invals) -> outvals`` binds ``eqn`` so that the accepted
+sows in its sub-jaxprs reach ``collector`` (via :meth:`Collector.rewrite` and
+:meth:`Collector.absorb`), and returns the equation's ordinary outputs.
+"""
+
+construct_names: dict[_jax.Primitive, str] = {}
+"""How errors name a primitive's construct (``'lax.scan'`` for ``scan``)."""
+
+
+# ----------------------------------------------------------------------------
+# Static analysis: which sows does a jaxpr hold?
+
+
+@dataclasses.dataclass(frozen=True)
+class SowSite:
+  """One sow equation, found anywhere in a jaxpr or its sub-jaxprs."""
+
+  name: Name
+  tag: tp.Hashable
+  reduction: Reduction | None
+
+
+_sites_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_sites_lock = threading.Lock()
+
+
+def sow_sites(jaxpr: _jax.Jaxpr) -> tuple[SowSite, ...]:
+  """Every sow in ``jaxpr`` and its sub-jaxprs, in equation order (cached)."""
+  try:
+    return _sites_cache[jaxpr]
+  except KeyError:
+    pass
+  sites: list[SowSite] = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive is sow_p:
+      p = eqn.params
+      sites.append(SowSite(p['name'], p['tag'], p['reduction']))
+    else:
+      for sub in _jax.jaxprs_in_params(eqn.params):
+        sites.extend(sow_sites(sub))
+  result = tuple(sites)
+  with _sites_lock:
+    _sites_cache[jaxpr] = result
+  return result
+
+
+def as_jaxpr(j: _jax.Jaxpr | _jax.ClosedJaxpr) -> _jax.Jaxpr:
+  return j.jaxpr if isinstance(j, _jax.ClosedJaxpr) else j
+
+
+# ----------------------------------------------------------------------------
+# Per-scope collection state.
+
+
+@dataclasses.dataclass(frozen=True)
+class Accumulator:
+  """A reduced name's running value: its structure, leaves and reduction."""
+
+  treedef: tp.Any
+  leaves: tuple[tp.Any, ...]
+  reduction: Reduction
+
+  @property
+  def avals(self):
+    return tuple(_jax.typeof(x) for x in self.leaves)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReducedSpec:
+  """What a rewritten sub-jaxpr takes and returns for one reduced name."""
+
+  name: Name
+  reduction: Reduction
+  treedef: tp.Any
+  avals: tuple[tp.Any, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """The extra outputs of a rewritten jaxpr, after its ordinary outputs.
+
+  A rewritten jaxpr takes ``[*accumulators_in, *inputs]`` and returns
+  ``[*outputs, *entry_leaves, *accumulators_out]``: first the leaves of every
+  plain entry, in call order, then one accumulator per reduced name, in the
+  order of ``reduced``.
+  """
+
+  entries: tuple[tuple[Name, tp.Any, int], ...]  # (name, treedef, #leaves)
+  reduced: tuple[ReducedSpec, ...]
+  names: tuple[Name, ...]  # every name, in order of first sow
+
+  @property
+  def num_entry_leaves(self) -> int:
+    return sum(n for _, _, n in self.entries)
+
+  @property
+  def num_accumulator_leaves(self) -> int:
+    return sum(len(r.avals) for r in self.reduced)
+
+  @property
+  def num_extra(self) -> int:
+    return self.num_entry_leaves + self.num_accumulator_leaves
+
+
+def _reduction_error(name, construct=None):
+  where = f' inside {construct}' if construct else ''
+  return ValueError(
+      f'sow {name!r}: two sites of this name{where} use different'
+      ' reduce_fn/init_fn (or one reduces and one does not). Every site of a'
+      ' reduced name must pass the same two function objects; give the'
+      ' sites different names otherwise.'
+  )
+
+
+class Collector:
+  """What one capture has collected so far in one scope of the program.
+
+  A scope is the top-level jaxpr or a sub-jaxpr being rewritten by a rule.
+  Plain names collect a list of entries; reduced names keep one accumulator.
+  """
+
+  def __init__(self, accepts_key: frozenset | None):
+    self.accepts_key = accepts_key
+    self.entries: list[tuple[Name, tp.Any, list[tp.Any]]] = []
+    self.accumulators: dict[Name, Accumulator] = {}
+    self.names: dict[Name, None] = {}
+
+  # -- which sows this capture takes --------------------------------------
+
+  def accepts(self, tag: tp.Hashable) -> bool:
+    return self.accepts_key is None or tag in self.accepts_key
+
+  def accepted_sites(
+      self, jaxprs: tp.Iterable[_jax.Jaxpr | _jax.ClosedJaxpr]
+  ) -> list[SowSite]:
+    return [
+        s
+        for j in jaxprs
+        for s in sow_sites(as_jaxpr(j))
+        if self.accepts(s.tag)
+    ]
+
+  def has_work(self, jaxprs) -> bool:
+    return any(
+        self.accepts(s.tag) for j in jaxprs for s in sow_sites(as_jaxpr(j))
+    )
+
+  # -- recording ----------------------------------------------------------
+
+  def _note_name(self, name: Name, reduction: Reduction | None):
+    acc = self.accumulators.get(name)
+    if reduction is None:
+      if acc is not None:
+        raise _reduction_error(name)
+    elif acc is not None and acc.reduction != reduction:
+      raise _reduction_error(name)
+    self.names.setdefault(name, None)
+
+  def add_entry(self, name: Name, treedef, leaves: tp.Sequence[tp.Any]):
+    if any(n == name for n, _, _ in self.entries):
+      pass
+    self._note_name(name, None)
+    self.entries.append((name, treedef, list(leaves)))
+
+  def accumulator(self, name: Name, reduction: Reduction) -> Accumulator:
+    """The accumulator of ``name``, created from ``init_fn()`` if new."""
+    acc = self.accumulators.get(name)
+    if acc is None:
+      if any(n == name for n, _, _ in self.entries):
+        raise _reduction_error(name)
+      init = reduction.init_fn()
+      leaves, treedef = jax.tree_util.tree_flatten(init)
+      leaves = tuple(jax.numpy.asarray(x) for x in leaves)
+      acc = Accumulator(treedef, leaves, reduction)
+      self.accumulators[name] = acc
+    elif acc.reduction != reduction:
+      raise _reduction_error(name)
+    return acc
+
+  def reduce(self, name: Name, reduction: Reduction, treedef, leaves):
+    acc = self.accumulator(name, reduction)
+    self.names.setdefault(name, None)
+    value = jax.tree_util.tree_unflatten(treedef, leaves)
+    new = reduction.reduce_fn(
+        jax.tree_util.tree_unflatten(acc.treedef, acc.leaves), value
+    )
+    new_leaves, new_treedef = jax.tree_util.tree_flatten(new)
+    new_leaves = tuple(jax.numpy.asarray(x) for x in new_leaves)
+    new_avals = tuple(_jax.typeof(x) for x in new_leaves)
+    if new_treedef != acc.treedef or not _same_types(new_avals, acc.avals):
+      raise ValueError(
+          f'sow {name!r}: reduce_fn changed the accumulator from'
+          f' {_describe(acc.treedef, acc.avals)} to'
+          f' {_describe(new_treedef, new_avals)}. The accumulator must keep'
+          ' its structure, shape and dtype; make init_fn() return a value of'
+          ' the type reduce_fn produces (e.g. with the right dtype).'
+      )
+    self.accumulators[name] = Accumulator(acc.treedef, new_leaves, reduction)
+
+  def on_sow(self, eqn: _jax.JaxprEqn, invals: list[tp.Any]) -> list[tp.Any]:
+    p = eqn.params
+    if not self.accepts(p['tag']):
+      return _jax.bind_equation(eqn, invals)
+    invals = [x if _is_array(x) else jax.numpy.asarray(x) for x in invals]
+    if p['reduction'] is None:
+      self.add_entry(p['name'], p['treedef'], invals)
+    else:
+      self.reduce(p['name'], p['reduction'], p['treedef'], invals)
+    return invals
+
+  # -- sub-jaxprs ---------------------------------------------------------
+
+  def reduced_specs(self, jaxprs) -> tuple[ReducedSpec, ...]:
+    """Specs of the reduced names sown in ``jaxprs``; creates accumulators."""
+    specs: dict[Name, ReducedSpec] = {}
+    for site in self.accepted_sites(jaxprs):
+      if site.reduction is None:
+        if site.name in self.accumulators:
+          raise _reduction_error(site.name)
+        continue
+      acc = self.accumulator(site.name, site.reduction)
+      spec = specs.get(site.name)
+      if spec is None:
+        specs[site.name] = ReducedSpec(
+            site.name, site.reduction, acc.treedef, acc.avals
+        )
+      elif spec.reduction != site.reduction:
+        raise _reduction_error(site.name)
+    return tuple(specs.values())
+
+  def accumulator_leaves(self, specs: tp.Sequence[ReducedSpec]) -> list:
+    return [x for s in specs for x in self.accumulators[s.name].leaves]
+
+  def rewrite(
+      self,
+      jaxpr: _jax.ClosedJaxpr,
+      specs: tuple[ReducedSpec, ...],
+      in_avals: tp.Sequence[tp.Any] | None = None,
+  ) -> tuple[_jax.ClosedJaxpr, Layout]:
+    """``jaxpr`` with what this capture collects in it as extra outputs.
+
+    See :class:`Layout` for the signature. Cached per (jaxpr, tags,
+    accumulator types), so re-binding a rewritten ``jit`` hits its cache.
+    """
+    return rewrite_jaxpr(jaxpr, self.accepts_key, specs)
+
+  def absorb(
+      self,
+      layout: Layout,
+      extra: tp.Sequence[tp.Any],
+      *,
+      stacked: bool = False,
+  ) -> None:
+    """Records the extra outputs of a rewritten jaxpr, laid out by ``layout``.
+
+    ``stacked`` entries (from a loop) have one more leading axis; that does
+    not change how they are recorded.
+    """
+    del stacked
+    extra = list(extra)
+    assert len(extra) == layout.num_extra, (len(extra), layout)
+    pos = 0
+    for name, treedef, n in layout.entries:
+      self.add_entry(name, treedef, extra[pos : pos + n])
+      pos += n
+    for spec in layout.reduced:
+      n = len(spec.avals)
+      self.accumulators[spec.name] = Accumulator(
+          spec.treedef, tuple(extra[pos : pos + n]), spec.reduction
+      )
+      pos += n
+    for name in layout.names:
+      self.names.setdefault(name, None)
+
+  def layout(self, specs: tuple[ReducedSpec, ...]) -> Layout:
+    entries = tuple((n, t, len(ls)) for n, t, ls in self.entries)
+    reduced = tuple(
+        ReducedSpec(
+            s.name,
+            s.reduction,
+            self.accumulators[s.name].treedef,
+            self.accumulators[s.name].avals,
+        )
+        for s in specs
+    )
+    return Layout(entries, reduced, tuple(self.names))
+
+  def extra_outputs(self, specs: tuple[ReducedSpec, ...]) -> list[tp.Any]:
+    leaves = [x for _, _, ls in self.entries for x in ls]
+    return leaves + self.accumulator_leaves(specs)
+
+  def result(self) -> Collected:
+    """The ``collected`` dict: names in order of first sow."""
+    out = Collected()
+    for name in self.names:
+      if name in self.accumulators:
+        acc = self.accumulators[name]
+        out[name] = jax.tree_util.tree_unflatten(acc.treedef, acc.leaves)
+      else:
+        out[name] = tuple(
+            jax.tree_util.tree_unflatten(t, ls)
+            for n, t, ls in self.entries
+            if n == name
+        )
+    return out
+
+
+class Collected(dict):
+  """The ``dict`` a capture returns; a pytree that keeps insertion order.
+
+  A plain ``dict`` is flattened in sorted key order, which fails for a mix of
+  ``str`` and tuple names and would reorder names under ``jax.jit``; this
+  subclass flattens in the order of first sow.
+  """
+
+
+def _flatten_collected(d):
+  keys = tuple(d)
+  children = [(jax.tree_util.DictKey(k), d[k]) for k in keys]
+  return children, keys
+
+
+def _unflatten_collected(keys, values):
+  return Collected(zip(keys, values))
+
+
+jax.tree_util.register_pytree_with_keys(
+    Collected, _flatten_collected, _unflatten_collected
+)
+
+
+def _same_types(a, b) -> bool:
+  return len(a) == len(b) and all(
+      x.shape == y.shape and x.dtype == y.dtype for x, y in zip(a, b)
+  )
+
+
+def _describe(treedef, avals) -> str:
+  types = ', '.join(a.str_short() for a in avals)
+  return f'{treedef} of [{types}]'
+
+
+# ----------------------------------------------------------------------------
+# The rewrite of one sub-jaxpr.
+
+_rewrite_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_rewrite_lock = threading.Lock()
+
+
+def rewrite_jaxpr(
+    jaxpr: _jax.ClosedJaxpr,
+    accepts_key: frozenset | None,
+    specs: tuple[ReducedSpec, ...],
+) -> tuple[_jax.ClosedJaxpr, Layout]:
+  """See :meth:`Collector.rewrite`."""
+  key = (accepts_key, specs)
+  per_jaxpr = _rewrite_cache.get(jaxpr)
+  if per_jaxpr is not None and key in per_jaxpr:
+    return per_jaxpr[key]
+  num_acc = sum(len(s.avals) for s in specs)
+  layout_box = []
+
+  def rewritten(*args):
+    acc_leaves, inputs = args[:num_acc], args[num_acc:]
+    inner = Collector(accepts_key)
+    pos = 0
+    for s in specs:
+      n = len(s.avals)
+      inner.accumulators[s.name] = Accumulator(
+          s.treedef, tuple(acc_leaves[pos : pos + n]), s.reduction
+      )
+      pos += n
+    outs = eval_collecting(jaxpr.jaxpr, jaxpr.consts, inputs, inner)
+    layout_box.append(inner.layout(specs))
+    return [*outs, *inner.extra_outputs(specs)]
+
+  in_avals = [a for s in specs for a in s.avals] + list(jaxpr.in_avals)
+  new = _jax.trace_to_closed_jaxpr(rewritten, in_avals, 'capture_rewrite')
+  result = (new, layout_box[-1])
+  with _rewrite_lock:
+    _rewrite_cache.setdefault(jaxpr, {})[key] = result
+  return result
+
+
+# ----------------------------------------------------------------------------
+# The generic loop.
+
+
+def eval_collecting(
+    jaxpr: _jax.Jaxpr,
+    consts: tp.Sequence[tp.Any],
+    args: tp.Sequence[tp.Any],
+    collector: Collector,
+) -> list[tp.Any]:
+  """Evaluates ``jaxpr`` on the current trace, collecting into ``collector``."""
+  env: dict[_jax.Var, tp.Any] = {}
+
+  def read(v):
+    return v.val if isinstance(v, _jax.Literal) else env[v]
+
+  for v, x in zip(jaxpr.constvars, consts):
+    env[v] = x
+  for v, x in zip(jaxpr.invars, args):
+    env[v] = x
+  for eqn in jaxpr.eqns:
+    invals = [read(v) for v in eqn.invars]
+    with _jax.equation_context(eqn):
+      if eqn.primitive is sow_p:
+        outs = collector.on_sow(eqn, invals)
+      else:
+        subs = list(_jax.jaxprs_in_params(eqn.params))
+        if subs and collector.has_work(subs):
+          rule = collect_rules.get(eqn.primitive)
+          if rule is None:
+            raise _unsupported(eqn, collector)
+          outs = rule(collector, eqn, invals)
+        else:
+          outs = _jax.bind_equation(eqn, invals)
+    for v, x in zip(eqn.outvars, outs):
+      env[v] = x
+  return [_jax.as_value(read(v)) for v in jaxpr.outvars]
+
+
+def construct_name(primitive: _jax.Primitive) -> str:
+  return construct_names.get(primitive, f'`{primitive.name}`')
+
+
+def _unsupported(eqn, collector) -> NotImplementedError:
+  names = sorted(
+      {repr(s.name) for s in collector.accepted_sites(
+          _jax.jaxprs_in_params(eqn.params))}
+  )
+  return NotImplementedError(
+      f'sow {", ".join(names)}: capture cannot collect sows inside'
+      f' {construct_name(eqn.primitive)} (primitive `{eqn.primitive.name}`'
+      ' has no capture rule). Sow the value outside that construct (return'
+      ' it from it and sow the result), or register a rule for the'
+      ' primitive in flax.nnx.sow.capture.collect_rules (see'
+      ' CONTRIBUTING.md).'
+  )
+
+
+# ----------------------------------------------------------------------------
+# The transform.
+
+
+def _is_array(x) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, jax.core.Tracer))
+
+
+def capture(
+    f: tp.Callable[..., tp.Any], *, tags: tp.Iterable[tp.Hashable] | None = None
+) -> tp.Callable[..., tuple[tp.Any, dict[Name, tp.Any]]]:
+  """Transforms ``f`` to also return every value it sows.
+
+  ``capture(f)(*args, **kwargs)`` stages ``f`` to a jaxpr (array leaves of the
+  arguments are traced; every other leaf reaches ``f`` unchanged), rewrites it
+  so the sown values become outputs, and evaluates it on the caller's trace
+  (eagerly, or inside an enclosing ``jit``/``grad``/``vmap``). Nested ``jit``
+  calls stay compiled ``jit`` equations and custom derivative rules stay in
+  force. The design follows JAX's ``checkify`` (a jaxpr rewrite with one rule
+  per higher-order primitive) with oryx ``harvest``'s semantics.
+
+  >>> import jax, jax.numpy as jnp
+  >>> from flax.nnx.sow import capture, sow
+  >>> def f(x):
+  ...   y = sow(x * 2, name='y')
+  ...   return jax.jit(lambda y: sow(y + 1, name='z'))(y)
+  >>> out, collected = capture(f)(jnp.float32(1.0))
+  >>> out, collected['y'], collected['z']
+  (Array(3., dtype=float32), (Array(2., dtype=float32),), (Array(3., dtype=float32),))
+
+  Args:
+    f: the function to capture; it may close over arrays and tracers.
+    tags: ``None`` to collect every sow, or an iterable of hashable tags: only
+      sows whose ``tag`` is listed are collected; the rest stay in the program
+      for an enclosing capture. A sow is collected by the innermost capture
+      that accepts it.
+
+  Returns:
+    ``g`` with ``g(*args, **kwargs) -> (f(*args, **kwargs), collected)``.
+    ``collected`` is a ``dict`` keyed by sow name, in order of first sow. A
+    plain name maps to a tuple of pytrees in call order: one per sow executed
+    at top level, one per sow site inside a loop (``lax.scan``, static
+    ``fori_loop``, ``lax.map``) stacked along a new leading axis like the
+    loop's ``ys``. A reduced name maps to its final accumulator
+    (``init_fn()`` if it never ran). Values sown under ``jax.vmap`` inside
+    ``f`` have the mapped axis first.
+
+  Raises:
+    ValueError: a plain sow inside ``lax.while_loop``; a plain name sown in
+      only some branches of ``lax.cond``/``lax.switch`` or with different
+      shapes; an accumulator that changes type; one name with different
+      reductions.
+    NotImplementedError: a sow inside a construct with no capture rule (e.g.
+      ``shard_map``).
+  """
+  if tags is None:
+    accepts_key = None
+  elif isinstance(tags, (str, bytes)) or not isinstance(tags, tp.Iterable):
+    raise TypeError(
+        f'capture: tags must be None or an iterable of tags, got {tags!r};'
+        f' write tags=({tags!r},) to collect one tag.'
+    )
+  else:
+    accepts_key = frozenset(tags)
+
+  @functools.wraps(f)
+  def captured(*args, **kwargs):
+    return _capture_call(f, accepts_key, args, kwargs)
+
+  return captured
+
+
+def _capture_call(f, accepts_key, args, kwargs):
+  leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs))
+  is_array = [_is_array(x) for x in leaves]
+  arrays = [x for x, a in zip(leaves, is_array) if a]
+  out_box = []
+
+  def flat_f(*traced):
+    it = iter(traced)
+    full = [next(it) if a else x for x, a in zip(leaves, is_array)]
+    a, kw = jax.tree_util.tree_unflatten(in_tree, full)
+    out = f(*a, **kw)
+    out_leaves, out_tree = jax.tree_util.tree_flatten(out)
+    out_is_array = [_is_array(x) for x in out_leaves]
+    out_box.append((out_tree, out_leaves, out_is_array))
+    return [x for x, o in zip(out_leaves, out_is_array) if o]
+
+  closed = _jax.trace_to_closed_jaxpr(
+      flat_f,
+      [_jax.typeof(x) for x in arrays],
+      getattr(f, '__name__', 'f'),
+  )
+  out_tree, static_out, out_is_array = out_box[-1]
+  collector = Collector(accepts_key)
+  outs = iter(eval_collecting(closed.jaxpr, closed.consts, arrays, collector))
+  out_leaves = [next(outs) if o else x for x, o in zip(static_out,
+                                                        out_is_array)]
+  return (
+      jax.tree_util.tree_unflatten(out_tree, out_leaves),
+      collector.result(),
+  )

@@ -1,0 +1,87 @@
+# Copyright 2026 The Flax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""``perturb``: an identity whose cotangent a capture collects.
+
+Forward, ``perturb`` is the identity. It is a ``jax.custom_vjp`` whose
+backward rule sows the arriving cotangent, so the cotangent is collected when
+the function is differentiated inside a ``capture`` (``capture(jax.grad(f))``)
+and nothing is collected otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+import typing as tp
+
+import jax
+
+from flax.nnx.sow import primitive
+
+
+@functools.lru_cache(maxsize=4096)
+def _perturb_fn(name, tag, treedef):
+  @jax.custom_vjp
+  def identity(*leaves):
+    return leaves
+
+  def fwd(*leaves):
+    return leaves, None
+
+  def bwd(_, cts):
+    sown = primitive.sow(
+        jax.tree_util.tree_unflatten(treedef, list(cts)), name=name, tag=tag
+    )
+    return tuple(jax.tree_util.tree_leaves(sown))
+
+  identity.defvjp(fwd, bwd)
+  return identity
+
+
+def perturb(value: tp.Any, *, name: primitive.Name,
+            tag: tp.Hashable = None) -> tp.Any:
+  """Marks ``value`` so that a capture collects the cotangent arriving at it.
+
+  Identity in the forward pass. When the function is differentiated inside a
+  :func:`~flax.nnx.sow.capture`, the cotangent of ``value`` (same structure,
+  shapes and dtypes as ``value``) is collected under ``name``: a tuple of
+  pytrees, stacked per iteration inside loops. Without differentiation nothing
+  is collected. This plays the role of Flax's ``Module.perturb`` and of oryx's
+  ``plant``-based gradient capture, without an initialisation pass.
+
+  >>> import jax, jax.numpy as jnp
+  >>> from flax.nnx.sow import capture, perturb
+  >>> def loss(w, x):
+  ...   h = perturb(jnp.tanh(w * x), name='h')
+  ...   return jnp.sum(h ** 2)
+  >>> grad_w, collected = capture(jax.grad(loss))(1.0, jnp.ones(2))
+  >>> collected['h'][0]  # d loss / d h = 2 h
+  Array([1.5231884, 1.5231884], dtype=float32)
+
+  Args:
+    value: a pytree of arrays or scalars.
+    name: a ``str`` or tuple of ``str``/``int``; the key of the cotangent.
+    tag: hashable or ``None``, as for :func:`~flax.nnx.sow.sow`.
+
+  Returns:
+    ``value``, unchanged.
+
+  Raises:
+    TypeError: for a bad name, tag or leaf, as :func:`~flax.nnx.sow.sow`.
+  """
+  primitive.check_name(name, 'perturb')
+  primitive.check_tag(tag, name, 'perturb')
+  leaves, treedef = primitive.array_leaves(value, name, 'perturb')
+  out = _perturb_fn(name, tag, treedef)(*leaves)
+  return jax.tree_util.tree_unflatten(treedef, list(out))

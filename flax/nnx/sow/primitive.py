@@ -1,0 +1,250 @@
+# Copyright 2026 The Flax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""The sow primitive: an identity on its operands that carries an effect.
+
+``sow_p`` owns what a sow *is* in a staged program: its parameters (name, tag,
+pytree structure, reduction), its abstract evaluation (the operands' avals plus
+``SowEffect``, so dead-code elimination keeps a sow whose result is unused),
+and its rules under JAX's transforms: identity lowering, a JVP that sows the
+primal and passes the tangent through, and a batching rule that moves the
+mapped axis first. Collecting what was sown is ``capture``'s job
+(``capture.py``), not the primitive's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing as tp
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flax.nnx.sow import _jax
+
+Name = tp.Union[str, tuple[tp.Union[str, int], ...]]
+
+
+class SowEffect(_jax.Effect):
+  """Marks a staged sow, so that an unused sow is not dead-code eliminated."""
+
+  def __repr__(self):
+    return 'Sow'
+
+
+sow_effect = SowEffect()
+_jax.allow_effect(SowEffect)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Reduction:
+  """The ``reduce_fn``/``init_fn`` pair of a reduced sow.
+
+  Two reductions are equal when they hold the same two function objects; a
+  capture requires every site of one name to use equal reductions.
+  """
+
+  reduce_fn: tp.Callable[[tp.Any, tp.Any], tp.Any]
+  init_fn: tp.Callable[[], tp.Any]
+
+  def __eq__(self, other):
+    return (
+        isinstance(other, Reduction)
+        and self.reduce_fn is other.reduce_fn
+        and self.init_fn is other.init_fn
+    )
+
+  def __hash__(self):
+    return hash((id(self.reduce_fn), id(self.init_fn)))
+
+
+sow_p = _jax.Primitive('sow')
+sow_p.multiple_results = True
+
+
+@sow_p.def_impl
+def _sow_impl(*leaves, name, tag, treedef, reduction):
+  del name, tag, treedef, reduction
+  return leaves
+
+
+@sow_p.def_effectful_abstract_eval
+def _sow_abstract_eval(*avals, name, tag, treedef, reduction):
+  del name, tag, treedef, reduction
+  return avals, {sow_effect}
+
+
+def _sow_lowering(ctx, *leaves, name, tag, treedef, reduction):
+  del ctx, name, tag, treedef, reduction
+  return leaves
+
+
+_jax.register_lowering(sow_p, _sow_lowering)
+
+
+def _sow_jvp(primals, tangents, **params):
+  # A sow marks the primal value; tangents pass through untouched, so the
+  # transpose never meets sow_p (cotangents are ``perturb``'s job).
+  return sow_p.bind(*primals, **params), list(tangents)
+
+
+_jax.primitive_jvps[sow_p] = _sow_jvp
+
+
+def _sow_batch(axis_data, leaves, dims, **params):
+  # Sown values come back with the mapped axis first, like vmap's outputs.
+  moved = []
+  for leaf, dim in zip(leaves, dims):
+    if dim is None:
+      leaf = jax.lax.broadcast(leaf, (axis_data.size,))
+    elif dim != 0:
+      leaf = jnp.moveaxis(leaf, dim, 0)
+    moved.append(leaf)
+  return sow_p.bind(*moved, **params), [0] * len(moved)
+
+
+_jax.fancy_primitive_batchers[sow_p] = _sow_batch
+
+
+def name_repr(name: Name) -> str:
+  return repr(name)
+
+
+def check_name(name: tp.Any, what: str = 'sow') -> None:
+  """Raises ``TypeError`` unless ``name`` is a str or a tuple of str/int."""
+  if isinstance(name, str):
+    return
+  if (
+      isinstance(name, tuple)
+      and name
+      and all(
+          isinstance(p, str) or (isinstance(p, int) and not isinstance(p, bool))
+          for p in name
+      )
+  ):
+    return
+  raise TypeError(
+      f'{what}: name must be a str or a non-empty tuple of str/int (a path'
+      f" such as ('blocks', 0, 'act')), got {name!r} of type"
+      f' {type(name).__name__}.'
+  )
+
+
+def check_tag(tag: tp.Any, name: Name, what: str = 'sow') -> None:
+  try:
+    hash(tag)
+  except TypeError:
+    raise TypeError(
+        f'{what} {name!r}: tag must be hashable, got {tag!r} of type'
+        f' {type(tag).__name__}.'
+    ) from None
+
+
+_SCALAR_TYPES = (bool, int, float, complex, np.generic)
+
+
+def array_leaves(value: tp.Any, name: Name, what: str = 'sow'):
+  """Flattens ``value``; every leaf must be an array or a scalar.
+
+  Returns:
+    ``(leaves, treedef)`` with scalar leaves converted like ``jnp.asarray``.
+
+  Raises:
+    TypeError: naming the sow and the offending leaf's path and type.
+  """
+  path_leaves, treedef = jax.tree_util.tree_flatten_with_path(value)
+  leaves = []
+  for path, leaf in path_leaves:
+    if isinstance(leaf, (jax.Array, np.ndarray, jax.core.Tracer)):
+      leaves.append(leaf)
+    elif isinstance(leaf, _SCALAR_TYPES):
+      leaves.append(jnp.asarray(leaf))
+    else:
+      where = jax.tree_util.keystr(path) or '<value>'
+      raise TypeError(
+          f'{what} {name!r}: the value at {where} has type'
+          f' {type(leaf).__name__}; {what} takes a pytree whose leaves are'
+          ' arrays or numeric scalars. Convert it with jnp.asarray or leave'
+          ' it out of the sown value.'
+      )
+  return leaves, treedef
+
+
+def _eager() -> bool:
+  return isinstance(_jax.trace_ctx.trace, _jax.core.EvalTrace)
+
+
+def sow(
+    value: tp.Any,
+    *,
+    name: Name,
+    tag: tp.Hashable = None,
+    reduce_fn: tp.Callable[[tp.Any, tp.Any], tp.Any] | None = None,
+    init_fn: tp.Callable[[], tp.Any] | None = None,
+) -> tp.Any:
+  """Tags ``value`` as an intermediate that an enclosing ``capture`` collects.
+
+  ``sow`` leaves an identity primitive, ``sow_p``, in the staged program.
+  Outside a :func:`capture` it is the identity under every JAX transform and
+  compiles to nothing. Inside one, the value is returned by the capture under
+  ``name``. The idea follows oryx's ``harvest`` (``sow``/``reap``), built as a
+  jaxpr rewrite in the style of JAX's ``checkify``.
+
+  >>> import jax.numpy as jnp
+  >>> from flax.nnx.sow import capture, sow
+  >>> def f(x):
+  ...   h = sow(jnp.tanh(x), name='h')
+  ...   return 2 * h
+  >>> out, collected = capture(f)(jnp.zeros(3))
+  >>> collected['h'][0].shape
+  (3,)
+
+  Args:
+    value: a pytree whose leaves are arrays (``jax.Array``, ``numpy.ndarray``,
+      tracers) or Python/NumPy scalars, of any shape and dtype.
+    name: a ``str`` or a tuple of ``str``/``int`` (a path such as
+      ``('blocks', 0, 'act')``); the key of the collected value.
+    tag: any hashable, or ``None``; ``capture(f, tags=...)`` collects only
+      sows whose tag it lists.
+    reduce_fn: ``reduce_fn(acc, value) -> acc``. With ``init_fn``, the
+      capture keeps one accumulator per name, updated in the staged program
+      (also inside ``while_loop``), instead of a tuple of values. The
+      accumulator must keep its shape and dtype.
+    init_fn: ``init_fn() -> acc``, the accumulator before the first sow.
+
+  Returns:
+    ``value``, unchanged.
+
+  Raises:
+    TypeError: if ``name`` is not a str or a tuple of str/int, if a leaf is
+      not an array or a scalar, if ``tag`` is not hashable, or if only one of
+      ``reduce_fn``/``init_fn`` is given.
+  """
+  check_name(name)
+  check_tag(tag, name)
+  if (reduce_fn is None) != (init_fn is None):
+    raise TypeError(
+        f'sow {name!r}: reduce_fn and init_fn go together; pass both to'
+        ' reduce the sown values into one accumulator, or neither to collect'
+        ' every value.'
+    )
+  leaves, treedef = array_leaves(value, name)
+  if _eager():
+    return value
+  reduction = None if reduce_fn is None else Reduction(reduce_fn, init_fn)
+  out = sow_p.bind(
+      *leaves, name=name, tag=tag, treedef=treedef, reduction=reduction
+  )
+  return jax.tree_util.tree_unflatten(treedef, out)

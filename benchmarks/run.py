@@ -1,0 +1,531 @@
+# Copyright 2026 The Flax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""Runs every benchmark of ``flax.nnx.sow`` and prints one table.
+
+Usage::
+
+  python benchmarks/run.py                  # the full suite (minutes)
+  python benchmarks/run.py --quick          # a smoke run (seconds)
+  python benchmarks/run.py --json out.json  # also write the figures as JSON
+  python benchmarks/run.py --only jit_runtime,first_call
+
+Each benchmark compares two things measured alternately in the same run and
+reports their ratio; ``benchmarks/README.md`` says what each figure means.
+The exit status is 1 when a benchmark raised (its row says why), 0
+otherwise; a missed target is reported, not an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+import typing as tp
+import warnings
+
+if __package__ in (None, ''):
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
+      __file__))))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from benchmarks import timing
+from benchmarks import workload as wl
+from flax.nnx.sow import capture, sow
+
+Result = timing.Result
+
+
+class Config(tp.NamedTuple):
+  """The sizes and repeats of one run."""
+
+  quick: bool
+  sizes: wl.Sizes
+  runtime_repeats: int
+  compile_repeats: int
+  compile_warmup: int
+  trace_repeats: int
+  first_call_layers: tuple[int, ...]
+  scaling_layers: tuple[int, int]
+  scan_steps: tuple[int, int]
+  scan_width: int
+
+
+FULL = Config(
+    quick=False, sizes=wl.FULL, runtime_repeats=15, compile_repeats=5,
+    compile_warmup=1, trace_repeats=5, first_call_layers=(12, 48),
+    scaling_layers=(12, 192), scan_steps=(100, 10_000), scan_width=256)
+QUICK = Config(
+    quick=True, sizes=wl.QUICK, runtime_repeats=3, compile_repeats=1,
+    compile_warmup=0, trace_repeats=2, first_call_layers=(1, 2),
+    scaling_layers=(1, 4), scan_steps=(100, 10_000), scan_width=16)
+
+BENCHMARKS: dict[str, tp.Callable[[Config], list[Result]]] = {}
+
+
+def benchmark(name):
+  def register(fn):
+    BENCHMARKS[name] = fn
+    return fn
+  return register
+
+
+def _check_same(collected, manual):
+  """Raises unless ``collected`` holds exactly the values of ``manual``."""
+  if list(collected) != list(manual):
+    raise AssertionError(
+        f'capture collected names {list(collected)}, the manual function '
+        f'returns {list(manual)}')
+  for name, value in manual.items():
+    got = collected[name]
+    if not (isinstance(got, tuple) and len(got) == 1):
+      raise AssertionError(f'{name}: expected a 1-tuple, got {type(got)}')
+    np.testing.assert_allclose(got[0], value, rtol=1e-5, atol=1e-5,
+                               err_msg=str(name))
+
+
+# --------------------------------------------------------------------------
+# core: capture vs the floor
+# --------------------------------------------------------------------------
+
+
+@benchmark('jit_runtime')
+def jit_runtime(cfg: Config) -> list[Result]:
+  graphdef, state = wl.concrete_state(cfg.sizes)
+  x = wl.example_input(cfg.sizes)
+  fns = wl.pure_functions(graphdef)
+  captured = jax.jit(capture(fns['f']))
+  manual = jax.jit(fns['f_manual'])
+  (out_c, collected), (out_m, by_hand) = captured(state, x), manual(state, x)
+  np.testing.assert_allclose(out_c, out_m, rtol=1e-5, atol=1e-5)
+  _check_same(collected, by_hand)
+  ta, tb = timing.interleaved(
+      lambda: captured(state, x), lambda: manual(state, x),
+      cfg.runtime_repeats, warmup=2)
+  return [timing.compare(
+      'jit_runtime', 'jax.jit(capture(f))', 'jax.jit(f_manual)', ta, tb,
+      target=1.03, sizes=cfg.sizes.asdict())]
+
+
+@benchmark('first_call')
+def first_call(cfg: Config) -> list[Result]:
+  results = []
+  for layers in cfg.first_call_layers:
+    sizes = cfg.sizes.replace(layers=layers)
+    graphdef, state = wl.abstract_state(sizes)
+    x = wl.abstract_input(sizes)
+
+    def compile_captured():
+      # Fresh functions every time, so that no cache keyed on them helps.
+      fns = wl.pure_functions(graphdef)
+      return jax.jit(capture(fns['f'])).lower(state, x).compile()
+
+    def compile_manual():
+      fns = wl.pure_functions(graphdef)
+      return jax.jit(fns['f_manual']).lower(state, x).compile()
+
+    ta, tb = timing.interleaved(
+        compile_captured, compile_manual, cfg.compile_repeats,
+        warmup=cfg.compile_warmup,
+        before=jax.clear_caches)
+    results.append(timing.compare(
+        f'first_call[{layers}]',
+        'jax.jit(capture(f)) trace+lower+compile',
+        'jax.jit(f_manual) trace+lower+compile', ta, tb, target=1.10,
+        sizes=sizes.asdict()))
+  return results
+
+
+def count_eqns(jaxpr) -> int:
+  """Equations of ``jaxpr``, including those of every sub-jaxpr."""
+  from jax._src import core as jax_core  # pylint: disable=g-import-not-at-top
+  jaxpr = getattr(jaxpr, 'jaxpr', jaxpr)
+  n = len(jaxpr.eqns)
+  for eqn in jaxpr.eqns:
+    for sub in jax_core.jaxprs_in_params(eqn.params):
+      n += count_eqns(sub)
+  return n
+
+
+def _rewrite_alone() -> tp.Callable[[tp.Any], tp.Any] | None:
+  """A function ``closed_jaxpr -> rewritten closed jaxpr``, or ``None``.
+
+  Prefers ``flax.nnx.sow.capture.rewrite_program`` if the core offers it;
+  else stages the core's own top-level loop (``eval_collecting`` with a fresh
+  ``Collector``) over the already-staged jaxpr, which is what ``capture``
+  does after tracing ``f``; else ``None``.
+  """
+  try:
+    from flax.nnx.sow import _jax  # pylint: disable=g-import-not-at-top
+    core = sys.modules['flax.nnx.sow.capture']
+  except (ImportError, KeyError):
+    return None
+  hook = getattr(core, 'rewrite_program', None)
+  if callable(hook):
+    return hook
+  collector, loop = (getattr(core, n, None)
+                     for n in ('Collector', 'eval_collecting'))
+  if collector is None or loop is None:
+    return None
+
+  def rewrite(closed):
+    def flat(*args):
+      c = collector(None)
+      outs = loop(closed.jaxpr, closed.consts, args, c)
+      return [*outs, *jax.tree.leaves(dict(c.result()))]
+    return _jax.trace_to_closed_jaxpr(flat, closed.in_avals, 'rewrite')
+
+  return rewrite
+
+
+@benchmark('rewrite_scaling')
+def rewrite_scaling(cfg: Config) -> list[Result]:
+  rewrite = _rewrite_alone()
+  small, large = cfg.scaling_layers
+  per_size = {}
+  for layers in (small, large):
+    sizes = cfg.sizes.replace(layers=layers)
+    graphdef, state = wl.abstract_state(sizes)
+    x = wl.abstract_input(sizes)
+    f = wl.pure_functions(graphdef)['f']
+    jaxpr = jax.make_jaxpr(f)(state, x)
+    per_size[layers] = (f, state, x, jaxpr, count_eqns(jaxpr))
+
+  if rewrite is not None:
+    method = 'rewrite of the staged jaxpr alone'
+
+    def sample(layers):
+      return timing.time_call(lambda: rewrite(per_size[layers][3]) and None)
+  else:
+    method = 'make_jaxpr(capture(f)) - make_jaxpr(f)'
+
+    def sample(layers):
+      f, state, x, _, _ = per_size[layers]
+      # Fresh wrappers: the tracing caches must not hide the work.
+      plain = timing.time_call(
+          lambda: jax.make_jaxpr(functools.partial(f))(state, x) and None)
+      captured = timing.time_call(
+          lambda: jax.make_jaxpr(capture(functools.partial(f)))(state, x)
+          and None)
+      return captured - plain
+
+  for layers in (small, large):  # warm-up
+    sample(layers)
+  samples = {small: [], large: []}
+  for i in range(cfg.trace_repeats):
+    for layers in (small, large) if i % 2 == 0 else (large, small):
+      samples[layers].append(sample(layers) / per_size[layers][4])
+  a, b = (statistics.median(samples[n]) for n in (large, small))
+  return [Result(
+      name='rewrite_scaling',
+      a=f'rewrite s/eqn at {large} layers', b=f'rewrite s/eqn at {small} '
+      'layers', a_median=a, b_median=b, unit='s/eqn', ratio=a / b,
+      ratio_kind='ratio of medians', target=1.5,
+      sizes=dict(cfg.sizes.asdict(), layers=[small, large]),
+      repeats=cfg.trace_repeats,
+      extra=dict(method=method, eqns={small: per_size[small][4],
+                                      large: per_size[large][4]}))]
+
+
+@benchmark('eager_jitted')
+def eager_jitted(cfg: Config) -> list[Result]:
+  graphdef, state = wl.concrete_state(cfg.sizes)
+  x = wl.example_input(cfg.sizes)
+  g = jax.jit(wl.pure_functions(graphdef)['f'])
+  captured = capture(g)
+  ta, tb = timing.interleaved(
+      lambda: captured(state, x), lambda: g(state, x),
+      cfg.runtime_repeats, warmup=2)
+  return [timing.compare(
+      'eager_jitted', 'capture(jax.jit(f)) eager', 'jax.jit(f) eager', ta,
+      tb, target=1.3, sizes=cfg.sizes.asdict())]
+
+
+@benchmark('eager_plain')
+def eager_plain(cfg: Config) -> list[Result]:
+  graphdef, state = wl.concrete_state(cfg.sizes)
+  x = wl.example_input(cfg.sizes)
+  f = wl.pure_functions(graphdef)['f']
+  captured = capture(f)
+  repeats = max(2, cfg.runtime_repeats // 3)
+  ta, tb = timing.interleaved(
+      lambda: captured(state, x), lambda: f(state, x), repeats, warmup=1)
+  return [timing.compare(
+      'eager_plain', 'capture(f) eager', 'f eager (no jit)', ta, tb,
+      target=None, sizes=cfg.sizes.asdict())]
+
+
+@benchmark('perturb_grad')
+def perturb_grad(cfg: Config) -> list[Result]:
+  graphdef, state = wl.concrete_state(cfg.sizes)
+  x = wl.example_input(cfg.sizes)
+  loss = wl.pure_functions(graphdef)['loss']
+  captured = jax.jit(capture(jax.grad(loss)))
+  plain = jax.jit(jax.grad(loss))
+  (grads_c, collected), grads_p = captured(state, x), plain(state, x)
+  jax.tree.map(
+      lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+      grads_c, grads_p)
+  if len(collected) != cfg.sizes.layers:
+    raise AssertionError(
+        f'expected {cfg.sizes.layers} perturbed cotangents, got '
+        f'{list(collected)}')
+  ta, tb = timing.interleaved(
+      lambda: captured(state, x), lambda: plain(state, x),
+      cfg.runtime_repeats, warmup=2)
+  return [timing.compare(
+      'perturb_grad', 'jax.jit(capture(jax.grad(loss)))',
+      'jax.jit(jax.grad(loss))', ta, tb, target=1.10,
+      sizes=dict(cfg.sizes.asdict(), perturbs=cfg.sizes.layers))]
+
+
+# --------------------------------------------------------------------------
+# memory of reductions in long loops
+# --------------------------------------------------------------------------
+
+
+def _add(acc, value):
+  return acc + value
+
+
+def _scan(steps: int, width: int, reduce: bool):
+  """A scan of ``steps`` steps that sows its carry at every step."""
+  init = functools.partial(jnp.zeros, (width,), jnp.float32)
+
+  def f(w, h0):
+    def body(h, _):
+      h = jnp.tanh(h @ w)
+      if reduce:
+        sow(h, name='h', reduce_fn=_add, init_fn=init)
+      else:
+        sow(h, name='h')
+      return h, None
+    return jax.lax.scan(body, h0, None, length=steps)[0]
+
+  return f
+
+
+def _memory(fn, *args):
+  stats = jax.jit(fn).lower(*args).compile().memory_analysis()
+  return stats.temp_size_in_bytes, stats.output_size_in_bytes
+
+
+@benchmark('reduce_memory')
+def reduce_memory(cfg: Config) -> list[Result]:
+  width = cfg.scan_width
+  w = jax.ShapeDtypeStruct((width, width), jnp.float32)
+  h0 = jax.ShapeDtypeStruct((width,), jnp.float32)
+  short, long = cfg.scan_steps
+  results = []
+  for kind, reduce, target in (('reduce', True, 1.1),
+                               ('stacked', False, None)):
+    figures = {}
+    for steps in (short, long):
+      f = _scan(steps, width, reduce)
+      figures[steps] = dict(zip(('temp', 'output'), _memory(capture(f), w,
+                                                            h0)))
+      figures[steps]['temp_without_capture'] = _memory(f, w, h0)[0]
+    a, b = figures[long]['temp'], figures[short]['temp']
+    results.append(Result(
+        name=f'reduce_memory[{kind}]',
+        a=f'temp bytes, {kind} sow, {long} steps',
+        b=f'temp bytes, {kind} sow, {short} steps', a_median=a, b_median=b,
+        unit='bytes', ratio=a / b if b else float('inf'),
+        ratio_kind='ratio', target=target,
+        sizes=dict(steps=[short, long], width=width), repeats=1,
+        extra={str(k): v for k, v in figures.items()}))
+  return results
+
+
+# --------------------------------------------------------------------------
+# NNX: the nnx.capture shim vs Flax's original nnx.capture
+# --------------------------------------------------------------------------
+
+
+def _nnx_shims():
+  from flax.nnx.sow import nnx_shims  # pylint: disable=g-import-not-at-top
+  return nnx_shims
+
+
+def _make_train_step():
+  """A fresh ``nnx.jit`` train step that captures the intermediates."""
+
+  def train_step(model, optimizer, x):
+    def loss_fn(model):
+      # Looked up at trace time: the shim or the original, as installed.
+      out, intermediates = nnx.capture(model, nnx.Intermediate)(x)
+      return jnp.mean(out**2), intermediates
+
+    (loss, intermediates), grads = nnx.value_and_grad(
+        loss_fn, has_aux=True)(model)
+    optimizer.update(model, grads)
+    return loss, intermediates
+
+  return nnx.jit(train_step)
+
+
+@benchmark('nnx_step')
+def nnx_step(cfg: Config) -> list[Result]:
+  shims = _nnx_shims()
+  x = wl.example_input(cfg.sizes)
+
+  def setup():
+    model = wl.make_model(cfg.sizes)
+    optimizer = nnx.Optimizer(model, optax.adam(1e-4), wrt=nnx.Param)
+    return model, optimizer
+
+  try:
+    with warnings.catch_warnings():
+      # Flax's original nnx.capture warns about the attributes it adds.
+      warnings.simplefilter('ignore', DeprecationWarning)
+      shims.install()
+      model_s, opt_s = setup()
+      step_s = _make_train_step()
+      loss_s, inter_s = step_s(model_s, opt_s, x)
+      shims.uninstall()
+      model_o, opt_o = setup()
+      step_o = _make_train_step()
+      loss_o, inter_o = step_o(model_o, opt_o, x)
+      np.testing.assert_allclose(loss_s, loss_o, rtol=1e-5)
+      if (jax.tree.structure(nnx.to_pure_dict(inter_s))
+          != jax.tree.structure(nnx.to_pure_dict(inter_o))):
+        raise AssertionError(
+            f'the shim returns {jax.tree.structure(inter_s)}, Flax '
+            f'returns {jax.tree.structure(inter_o)}')
+
+      def run_shim():
+        shims.install()
+        return step_s(model_s, opt_s, x)
+
+      def run_orig():
+        shims.uninstall()
+        return step_o(model_o, opt_o, x)
+
+      ta, tb = timing.interleaved(run_shim, run_orig, cfg.runtime_repeats,
+                                  warmup=2)
+      steady = timing.compare(
+          'nnx_step[steady]', 'nnx.jit step, nnx.capture shim',
+          'nnx.jit step, Flax 0.12.8 nnx.capture', ta, tb, target=1.02,
+          sizes=cfg.sizes.asdict())
+
+      def first_shim():
+        shims.install()
+        return _make_train_step()(model_s, opt_s, x)
+
+      def first_orig():
+        shims.uninstall()
+        return _make_train_step()(model_o, opt_o, x)
+
+      ta, tb = timing.interleaved(first_shim, first_orig,
+                                  cfg.compile_repeats,
+                                  warmup=cfg.compile_warmup,
+                                  before=jax.clear_caches)
+      first = timing.compare(
+          'nnx_step[first_call]',
+          'first call of a fresh nnx.jit step, shim',
+          'first call of a fresh nnx.jit step, Flax 0.12.8', ta, tb,
+          target=1.15, sizes=cfg.sizes.asdict())
+  finally:
+    shims.install()
+  return [steady, first]
+
+
+# --------------------------------------------------------------------------
+# driver
+# --------------------------------------------------------------------------
+
+
+def _fmt(value: float, unit: str) -> str:
+  if unit == 'bytes':
+    return f'{value:,.0f} B'
+  if unit == 's/eqn':
+    return f'{value * 1e6:.2f} us/eqn'
+  if value >= 1:
+    return f'{value:.3f} s'
+  return f'{value * 1e3:.2f} ms'
+
+
+def table(rows: list[dict[str, tp.Any]]) -> str:
+  """The results as a Markdown table."""
+  lines = ['| name | A (measured) | B (baseline) | A | B | A/B | target | '
+           'met |', '|---|---|---|---|---|---|---|---|']
+  for r in rows:
+    if 'error' in r:
+      lines.append(f'| {r["name"]} | ERROR: {r["error"]} | | | | | | |')
+      continue
+    target = '-' if r['target'] is None else f'<= {r["target"]:.2f}'
+    met = {True: 'yes', False: 'NO', None: 'report'}[r['met']]
+    lines.append(
+        f'| {r["name"]} | {r["a"]} | {r["b"]} | '
+        f'{_fmt(r["a_median"], r["unit"])} | '
+        f'{_fmt(r["b_median"], r["unit"])} | {r["ratio"]:.3f} | {target} | '
+        f'{met} |')
+  return '\n'.join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--quick', action='store_true',
+                      help='tiny sizes and few repeats: a smoke run')
+  parser.add_argument('--json', metavar='PATH',
+                      help='also write the results as a JSON list')
+  parser.add_argument('--only', metavar='NAMES',
+                      help='comma-separated benchmarks to run (default all: '
+                      + ','.join(BENCHMARKS) + ')')
+  parser.add_argument('--repeats', type=int,
+                      help='override the number of runtime samples')
+  args = parser.parse_args(argv)
+
+  cfg = QUICK if args.quick else FULL
+  if args.repeats:
+    cfg = cfg._replace(runtime_repeats=args.repeats)
+  names = args.only.split(',') if args.only else list(BENCHMARKS)
+  unknown = [n for n in names if n not in BENCHMARKS]
+  if unknown:
+    parser.error(f'unknown benchmarks {unknown}; known: {list(BENCHMARKS)}')
+
+  rows, failed = [], False
+  for name in names:
+    start = time.perf_counter()
+    try:
+      rows.extend(r.asdict() for r in BENCHMARKS[name](cfg))
+    except Exception as e:  # pylint: disable=broad-except
+      failed = True
+      traceback.print_exc()
+      rows.append(dict(name=name, error=f'{type(e).__name__}: {e}'
+                       .splitlines()[0][:200]))
+    print(f'# {name}: {time.perf_counter() - start:.1f} s', file=sys.stderr,
+          flush=True)
+
+  print(f'jax {jax.__version__}, backend {jax.default_backend()}, '
+        f'{"quick" if cfg.quick else "full"} run')
+  print(table(rows))
+  if args.json:
+    with open(args.json, 'w') as fp:
+      json.dump(rows, fp, indent=2)
+  return 1 if failed else 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

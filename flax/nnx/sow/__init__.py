@@ -20,6 +20,7 @@ name; ``perturb(value, name=...)`` collects the cotangent arriving at a value.
 See ``docs/guide.md``.
 """
 
+from flax.nnx.sow import loops as _loops  # registers the loop rules
 from flax.nnx.sow import rules as _rules  # registers the call-like rules
 from flax.nnx.sow.capture import Collected
 from flax.nnx.sow.capture import capture
@@ -37,4 +38,4 @@ __all__ = [
     'sow_p',
 ]
 
-del _rules
+del _loops, _rules

@@ -80,6 +80,7 @@ def allow_effect(effect_type: type[Effect]) -> None:
   effects.control_flow_allowed_effects.add_type(effect_type)
   effects.custom_derivatives_allowed_effects.add_type(effect_type)
   effects.remat_allowed_effects.add_type(effect_type)
+  effects.partial_eval_kept_effects.add_type(effect_type)
 
 
 def debug_info(name: str, num_args: int) -> lu.DebugInfo:

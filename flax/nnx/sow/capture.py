@@ -223,7 +223,7 @@ class Collector:
         raise _reduction_error(name)
       init = reduction.init_fn()
       leaves, treedef = jax.tree_util.tree_flatten(init)
-      leaves = tuple(jax.numpy.asarray(x) for x in leaves)
+      leaves = tuple(strong(x) for x in leaves)
       acc = Accumulator(treedef, leaves, reduction)
       self.accumulators[name] = acc
     elif acc.reduction != reduction:
@@ -238,7 +238,7 @@ class Collector:
         jax.tree_util.tree_unflatten(acc.treedef, acc.leaves), value
     )
     new_leaves, new_treedef = jax.tree_util.tree_flatten(new)
-    new_leaves = tuple(jax.numpy.asarray(x) for x in new_leaves)
+    new_leaves = tuple(strong(x) for x in new_leaves)
     new_avals = tuple(_jax.typeof(x) for x in new_leaves)
     if new_treedef != acc.treedef or not _same_types(new_avals, acc.avals):
       raise ValueError(
@@ -324,6 +324,8 @@ class Collector:
       pos += n
     for name in layout.names:
       self.names.setdefault(name, None)
+    for spec in layout.reduced:
+      self.names.setdefault(spec.name, None)
 
   def layout(self, specs: tuple[ReducedSpec, ...]) -> Layout:
     entries = tuple((n, t, len(ls)) for n, t, ls in self.entries)
@@ -382,6 +384,12 @@ jax.tree_util.register_pytree_with_keys(
 )
 
 
+def strong(x: tp.Any) -> tp.Any:
+  """``x`` as an array without a weak type, so loop carries type-check."""
+  x = jax.numpy.asarray(x)
+  return jax.lax.convert_element_type(x, x.dtype) if x.weak_type else x
+
+
 def _same_types(a, b) -> bool:
   return len(a) == len(b) and all(
       x.shape == y.shape and x.dtype == y.dtype for x, y in zip(a, b)
@@ -400,16 +408,34 @@ _rewrite_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _rewrite_lock = threading.Lock()
 
 
+def cached(source: tp.Any, key: tp.Hashable, build: tp.Callable[[], tp.Any]):
+  """``build()``, memoised per ``source`` object (weakly) and ``key``.
+
+  Rules derive new jaxprs from the ones in an equation; returning the same
+  object for the same input keeps JAX's compilation caches warm.
+  """
+  per_source = _rewrite_cache.get(source)
+  if per_source is not None and key in per_source:
+    return per_source[key]
+  result = build()
+  with _rewrite_lock:
+    _rewrite_cache.setdefault(source, {})[key] = result
+  return result
+
+
 def rewrite_jaxpr(
     jaxpr: _jax.ClosedJaxpr,
     accepts_key: frozenset | None,
     specs: tuple[ReducedSpec, ...],
 ) -> tuple[_jax.ClosedJaxpr, Layout]:
   """See :meth:`Collector.rewrite`."""
-  key = (accepts_key, specs)
-  per_jaxpr = _rewrite_cache.get(jaxpr)
-  if per_jaxpr is not None and key in per_jaxpr:
-    return per_jaxpr[key]
+  return cached(
+      jaxpr, ('rewrite', accepts_key, specs),
+      lambda: _rewrite_jaxpr(jaxpr, accepts_key, specs),
+  )
+
+
+def _rewrite_jaxpr(jaxpr, accepts_key, specs):
   num_acc = sum(len(s.avals) for s in specs)
   layout_box = []
 
@@ -429,10 +455,7 @@ def rewrite_jaxpr(
 
   in_avals = [a for s in specs for a in s.avals] + list(jaxpr.in_avals)
   new = _jax.trace_to_closed_jaxpr(rewritten, in_avals, 'capture_rewrite')
-  result = (new, layout_box[-1])
-  with _rewrite_lock:
-    _rewrite_cache.setdefault(jaxpr, {})[key] = result
-  return result
+  return new, layout_box[-1]
 
 
 # ----------------------------------------------------------------------------

@@ -1,0 +1,288 @@
+# Copyright 2026 The Flax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""Capture rules for loops and branches: ``scan``, ``while``, ``cond``.
+
+* ``scan`` (also ``fori_loop`` with static bounds and ``lax.map``): a plain
+  sow in the body becomes an extra ``ys`` output, so it comes back stacked
+  along a new leading axis lined up with ``xs``; a reduced name becomes an
+  extra carry.
+* ``while`` (also ``fori_loop`` with traced bounds): reduced names become
+  extra carries; a plain name is an error, since the number of entries is not
+  known when the program is staged.
+* ``cond``/``switch``: every branch returns the same extra outputs; a branch
+  that does not sow a reduced name passes its accumulator through, and every
+  branch must sow the same plain names with the same types.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import typing as tp
+
+import jax
+
+from flax.nnx.sow import _jax
+from flax.nnx.sow.capture import Collector
+from flax.nnx.sow.capture import Layout
+from flax.nnx.sow.capture import cached
+from flax.nnx.sow.capture import collect_rules
+from flax.nnx.sow.capture import construct_names
+from flax.nnx.sow.capture import strong
+
+
+def _permuted(closed: _jax.ClosedJaxpr, in_order, out_order, name: str):
+  """``closed`` with its inputs and outputs permuted.
+
+  The result's input ``i`` is ``closed``'s input ``in_order[i]``... inverted:
+  ``in_order[j]`` is the position in the *new* signature of old input ``j``;
+  ``out_order`` lists, for each new output, the old output it returns.
+  """
+  n_in = len(closed.in_avals)
+  new_in_avals = [None] * n_in
+  for old, new in enumerate(in_order):
+    new_in_avals[new] = closed.in_avals[old]
+
+  def fn(*args):
+    outs = _jax.eval_closed(closed, [args[in_order[j]] for j in range(n_in)])
+    return [outs[i] for i in out_order]
+
+  return _jax.trace_to_closed_jaxpr(fn, new_in_avals, name)
+
+
+# ----------------------------------------------------------------------------
+# scan
+
+
+def _scan_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
+  p = eqn.params
+  body = p['jaxpr']
+  n_consts, n_carry = p['num_consts'], p['num_carry']
+  specs = collector.reduced_specs([body])
+  acc_in = collector.accumulator_leaves(specs)
+  rewritten, layout = collector.rewrite(body, specs)
+  n_acc = len(acc_in)
+  n_body_in = len(body.in_avals)
+  n_carry_out = n_carry
+  n_ys = len(body.out_avals) - n_carry
+  n_entries = layout.num_entry_leaves
+
+  def build():
+    # rewritten: [acc, consts, carry, xs] -> [carry, ys, entries, acc]
+    # scan body: [consts, acc, carry, xs] -> [acc, carry, ys, entries]
+    in_order = [n_consts + i for i in range(n_acc)] + [
+        i if i < n_consts else i + n_acc for i in range(n_body_in)
+    ]
+    base = n_carry_out + n_ys
+    out_order = (
+        [base + n_entries + i for i in range(n_acc)]
+        + list(range(n_carry_out + n_ys))
+        + [base + i for i in range(n_entries)]
+    )
+    return _permuted(rewritten, in_order, out_order, 'scan_capture_body')
+
+  new_body = cached(
+      rewritten, ('scan', n_consts, n_carry, n_acc, n_ys), build
+  )
+  consts, rest = invals[:n_consts], invals[n_consts:]
+  outs = _jax.scan_p.bind(
+      *consts,
+      *acc_in,
+      *rest,
+      **dict(p, jaxpr=new_body, num_carry=n_carry + n_acc),
+  )
+  acc_out = outs[:n_acc]
+  ordinary = outs[n_acc : n_acc + n_carry + n_ys]
+  entries = outs[n_acc + n_carry + n_ys :]
+  collector.absorb(layout, [*entries, *acc_out], stacked=True)
+  return ordinary
+
+
+collect_rules[_jax.scan_p] = _scan_rule
+construct_names[_jax.scan_p] = '`lax.scan`'
+
+
+# ----------------------------------------------------------------------------
+# while
+
+
+def _while_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
+  p = eqn.params
+  cond, body = p['cond_jaxpr'], p['body_jaxpr']
+  n_cc, n_bc = p['cond_nconsts'], p['body_nconsts']
+  in_cond = collector.accepted_sites([cond])
+  if in_cond:
+    raise ValueError(
+        f'sow {in_cond[0].name!r}: capture cannot collect a sow inside the'
+        ' cond_fun of `lax.while_loop`; sow the value in body_fun instead.'
+    )
+  plain = [s for s in collector.accepted_sites([body]) if s.reduction is None]
+  if plain:
+    raise ValueError(
+        f'sow {plain[0].name!r}: a plain sow inside `lax.while_loop` (or a'
+        ' `fori_loop` with traced bounds) cannot be collected, because the'
+        ' number of iterations is not known when the program is staged. Pass'
+        ' reduce_fn and init_fn to reduce the values into one accumulator'
+        ' (e.g. reduce_fn=lambda acc, v: acc + v, init_fn=lambda:'
+        ' jnp.zeros(shape)), or use `lax.scan` / a fori_loop with static'
+        ' bounds to stack them.'
+    )
+  specs = collector.reduced_specs([body])
+  acc_in = collector.accumulator_leaves(specs)
+  rewritten, layout = collector.rewrite(body, specs)
+  n_acc = len(acc_in)
+  n_carry = len(body.out_avals)
+
+  def build_body():
+    # rewritten: [acc, bconsts, carry] -> [carry, acc]
+    # while body: [bconsts, acc, carry] -> [acc, carry]
+    in_order = [n_bc + i for i in range(n_acc)] + [
+        i if i < n_bc else i + n_acc for i in range(n_bc + n_carry)
+    ]
+    out_order = [n_carry + i for i in range(n_acc)] + list(range(n_carry))
+    return _permuted(rewritten, in_order, out_order, 'while_capture_body')
+
+  def build_cond():
+    # cond: [cconsts, acc, carry] -> pred, ignoring acc.
+    acc_avals = [_jax.typeof(x) for x in acc_in]
+    avals = [*cond.in_avals[:n_cc], *acc_avals, *cond.in_avals[n_cc:]]
+
+    def fn(*args):
+      return _jax.eval_closed(cond, [*args[:n_cc], *args[n_cc + n_acc :]])
+
+    return _jax.trace_to_closed_jaxpr(fn, avals, 'while_capture_cond')
+
+  new_body = cached(rewritten, ('while_body', n_bc, n_acc), build_body)
+  new_cond = cached(
+      cond,
+      ('while_cond', n_cc, tuple(_jax.typeof(x) for x in acc_in)),
+      build_cond,
+  )
+  cconsts, bconsts = invals[:n_cc], invals[n_cc : n_cc + n_bc]
+  carry = invals[n_cc + n_bc :]
+  outs = _jax.while_p.bind(
+      *cconsts,
+      *bconsts,
+      *acc_in,
+      *carry,
+      **dict(p, cond_jaxpr=new_cond, body_jaxpr=new_body),
+  )
+  collector.absorb(layout, outs[:n_acc])
+  return outs[n_acc:]
+
+
+collect_rules[_jax.while_p] = _while_rule
+construct_names[_jax.while_p] = '`lax.while_loop`'
+
+
+# ----------------------------------------------------------------------------
+# cond / switch
+
+
+def _entry_keys(layout: Layout):
+  seen = collections.Counter()
+  keys = []
+  for name, _, _ in layout.entries:
+    keys.append((name, seen[name]))
+    seen[name] += 1
+  return keys
+
+
+def _branch_mismatch(name, branch, other, what):
+  return ValueError(
+      f'sow {name!r}: inside `lax.cond`/`lax.switch`, branch {branch} {what}'
+      f' than branch {other}. Every branch must sow the same plain names'
+      ' with the same shapes and dtypes, since capture returns the value of'
+      ' the branch taken; sow the same value in every branch (e.g. zeros in'
+      ' the others), or pass reduce_fn/init_fn to reduce it.'
+  )
+
+
+def _cond_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
+  branches = eqn.params['branches']
+  specs = collector.reduced_specs(branches)
+  acc_in = collector.accumulator_leaves(specs)
+  rewritten = [collector.rewrite(b, specs) for b in branches]
+  n_out = len(eqn.outvars)
+  n_acc = len(acc_in)
+
+  # Line the plain entries of every branch up with branch 0's.
+  keys0 = _entry_keys(rewritten[0][1])
+  for i, (_, layout) in enumerate(rewritten[1:], 1):
+    keys = _entry_keys(layout)
+    for k in keys0:
+      if k not in keys:
+        raise _branch_mismatch(k[0], i, 0, f'sows it {k[1]} time(s), fewer')
+    for k in keys:
+      if k not in keys0:
+        raise _branch_mismatch(
+            k[0], 0, i, f'sows it {k[1]} time(s), fewer'
+        )
+
+  def offsets(layout):
+    out, pos = {}, n_out
+    for key, (_, _, n) in zip(_entry_keys(layout), layout.entries):
+      out[key] = (pos, n)
+      pos += n
+    return out, pos
+
+  layout0 = rewritten[0][1]
+  offs0, _ = offsets(layout0)
+  for i, (closed, layout) in enumerate(rewritten[1:], 1):
+    offs, _ = offsets(layout)
+    for key in keys0:
+      (p0, n0), (pi, ni) = offs0[key], offs[key]
+      a0 = [a.strip_weak_type() for a in rewritten[0][0].out_avals[p0 : p0 + n0]]
+      ai = [a.strip_weak_type() for a in closed.out_avals[pi : pi + ni]]
+      t0 = dict(zip(_entry_keys(layout0), layout0.entries))[key][1]
+      ti = dict(zip(_entry_keys(layout), layout.entries))[key][1]
+      if t0 != ti or a0 != ai:
+        raise _branch_mismatch(
+            key[0], i, 0,
+            f'sows a different structure or type ({ti} of'
+            f' {[a.str_short() for a in ai]} vs {t0} of'
+            f' {[a.str_short() for a in a0]})'
+        )
+
+  def build(closed, layout):
+    offs, end = offsets(layout)
+    order = list(range(n_out))
+    for key in keys0:
+      pos, n = offs[key]
+      order.extend(range(pos, pos + n))
+    order.extend(range(end, end + layout.num_accumulator_leaves))
+
+    def fn(*args):
+      outs = _jax.eval_closed(closed, args)
+      return [strong(outs[i]) if i >= n_out else outs[i] for i in order]
+
+    return _jax.trace_to_closed_jaxpr(fn, closed.in_avals, 'cond_capture')
+
+  new_branches = tuple(
+      cached(closed, ('cond', tuple(keys0)), lambda c=closed, l=layout: build(c, l))
+      for closed, layout in rewritten
+  )
+  index, ops = invals[0], invals[1:]
+  outs = _jax.cond_p.bind(
+      index, *acc_in, *ops, **dict(eqn.params, branches=new_branches)
+  )
+  names = {n: None for _, layout in rewritten for n in layout.names}
+  merged = dataclasses.replace(layout0, names=tuple(names))
+  collector.absorb(merged, outs[n_out:])
+  return outs[:n_out]
+
+
+collect_rules[_jax.cond_p] = _cond_rule
+construct_names[_jax.cond_p] = '`lax.cond`/`lax.switch`'

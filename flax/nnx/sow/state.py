@@ -1,0 +1,193 @@
+# Copyright 2026 The Flax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+
+"""Conversions between a capture's flat ``collected`` dict and an nnx.State.
+
+``capture`` returns a flat ``dict`` keyed by sow name: a ``str`` or a tuple
+path such as ``('blocks', 0, 'act')``. Flax's ``nnx.capture`` returns an
+``nnx.State`` nested by module path whose leaves are Variables (for example
+``{'blocks': {0: {'act': Intermediate((y,))}}}``). This file owns the mapping
+between the two, so code written against either form can read the other; the
+NNX shims (``nnx_shims.py``) build their ``State`` with it.
+"""
+
+from __future__ import annotations
+
+import typing as tp
+
+from flax import nnx
+
+Name = tp.Union[str, tuple[tp.Union[str, int], ...]]
+VariableType = type[nnx.Variable]
+TypeSpec = tp.Union[VariableType, tp.Callable[[Name], VariableType]]
+
+__all__ = ['collected_to_state', 'state_to_collected', 'name_to_path']
+
+
+def name_to_path(name: Name) -> tuple[tp.Union[str, int], ...]:
+  """Returns the State path of a sow name: ``'a'`` -> ``('a',)``.
+
+  Raises:
+    TypeError: if ``name`` is not a str or a non-empty tuple of str/int.
+  """
+  if isinstance(name, str):
+    return (name,)
+  if (
+      isinstance(name, tuple)
+      and name
+      and all(
+          isinstance(p, str) or (isinstance(p, int) and not isinstance(p, bool))
+          for p in name
+      )
+  ):
+    return name
+  raise TypeError(
+      f'A sow name must be a str or a non-empty tuple of str/int, got {name!r}'
+      f' of type {type(name).__name__}.'
+  )
+
+
+def _variable_type(spec: TypeSpec, name: Name) -> VariableType:
+  if isinstance(spec, type) and issubclass(spec, nnx.Variable):
+    return spec
+  if callable(spec):
+    vt = spec(name)
+    if isinstance(vt, type) and issubclass(vt, nnx.Variable):
+      return vt
+    raise TypeError(
+        f'collected_to_state: the variable_type function returned {vt!r} for'
+        f' {name!r}; it must return a subclass of nnx.Variable.'
+    )
+  raise TypeError(
+      'collected_to_state: variable_type must be a subclass of nnx.Variable'
+      f' (e.g. nnx.Intermediate) or a function of the name, got {spec!r}.'
+  )
+
+
+def collected_to_state(
+    collected: tp.Mapping[Name, tp.Any],
+    variable_type: TypeSpec = nnx.Intermediate,
+) -> nnx.State:
+  """Nests a flat ``collected`` dict into a path-keyed ``nnx.State``.
+
+  Each name becomes a path (a ``str`` name is a one-element path) and each
+  value is wrapped in ``variable_type``, so the result reads like the State
+  ``nnx.capture`` returns.
+
+  >>> import jax.numpy as jnp
+  >>> from flax import nnx
+  >>> from flax.nnx.sow.state import collected_to_state
+  >>> state = collected_to_state({('blocks', 0, 'act'): (jnp.ones(2),),
+  ...                             'head': (jnp.zeros(()),)})
+  >>> state['blocks'][0]['act'][0].shape
+  (2,)
+  >>> type(state['head']).__name__
+  'Intermediate'
+
+  Args:
+    collected: the dict a ``capture`` returns, ``name -> value`` (a tuple of
+      pytrees, or a reduced accumulator).
+    variable_type: the ``nnx.Variable`` subclass each value is wrapped in, or
+      a function ``name -> Variable subclass``.
+
+  Returns:
+    An ``nnx.State`` whose leaves are ``variable_type(value)``.
+
+  Raises:
+    TypeError: if a name is not a str or a tuple of str/int, or
+      ``variable_type`` is not a Variable subclass.
+    ValueError: if one name is a prefix of another (``'a'`` and
+      ``('a', 'b')``), so one path would be both a leaf and a subtree.
+  """
+  if not isinstance(collected, tp.Mapping):
+    raise TypeError(
+        'collected_to_state takes the dict a capture returns (name ->'
+        f' value), got {type(collected).__name__}.'
+    )
+  root = nnx.State({})
+  for name, value in collected.items():
+    path = name_to_path(name)
+    node = root
+    for i, key in enumerate(path[:-1]):
+      child = node.get(key) if key in node else None
+      if child is None:
+        child = nnx.State({})
+        node[key] = child
+      elif not isinstance(child, nnx.State):
+        raise ValueError(
+            f'collected_to_state: {name!r} nests under {path[: i + 1]!r},'
+            ' which is itself a sown name; rename one of them.'
+        )
+      node = child
+    if path[-1] in node:
+      raise ValueError(
+          f'collected_to_state: {name!r} is both a sown name and the prefix of'
+          ' another sown name; rename one of them.'
+      )
+    node[path[-1]] = _variable_type(variable_type, name)(value)
+  return root
+
+
+def state_to_collected(
+    state: tp.Mapping[tp.Any, tp.Any],
+) -> dict[Name, tp.Any]:
+  """Flattens a path-keyed State of Variables into a flat ``collected`` dict.
+
+  The inverse of :func:`collected_to_state`: each Variable leaf becomes
+  ``path -> value``, with one-element paths written as the bare ``str`` key,
+  so code that read ``nnx.pop(model, nnx.Intermediate)`` or the State of
+  ``nnx.capture`` can move to the dict ``capture`` returns.
+
+  >>> import jax.numpy as jnp
+  >>> from flax import nnx
+  >>> from flax.nnx.sow.state import state_to_collected
+  >>> state = nnx.State({'blocks': {0: {'act': nnx.Intermediate((1.0,))}}})
+  >>> state_to_collected(state)
+  {('blocks', 0, 'act'): (1.0,)}
+
+  Args:
+    state: an ``nnx.State`` (or nested mapping) whose leaves are Variables.
+
+  Returns:
+    ``dict`` from name (``str`` or tuple path) to the Variable's value, in the
+    State's iteration order.
+
+  Raises:
+    TypeError: if ``state`` is not a mapping, or a leaf is not a Variable.
+  """
+  if not isinstance(state, tp.Mapping):
+    raise TypeError(
+        'state_to_collected takes an nnx.State (a mapping of Variables), got'
+        f' {type(state).__name__}.'
+    )
+  out: dict[Name, tp.Any] = {}
+
+  def visit(node, prefix):
+    for key, value in node.items():
+      path = (*prefix, key)
+      if isinstance(value, nnx.Variable):
+        out[path[0] if len(path) == 1 and isinstance(path[0], str) else path] = (
+            value.get_value()
+        )
+      elif isinstance(value, tp.Mapping):
+        visit(value, path)
+      else:
+        raise TypeError(
+            f'state_to_collected: the leaf at {path!r} is a'
+            f' {type(value).__name__}; expected an nnx.Variable.'
+        )
+
+  visit(state, ())
+  return out

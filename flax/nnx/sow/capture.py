@@ -618,3 +618,21 @@ def _capture_call(f, accepts_key, args, kwargs):
       jax.tree_util.tree_unflatten(out_tree, out_leaves),
       collector.result(),
   )
+
+
+def rewrite_program(
+    closed: _jax.ClosedJaxpr, tags: tp.Iterable[tp.Hashable] | None = None
+) -> _jax.ClosedJaxpr:
+  """The rewrite alone: ``closed`` returning its outputs, then every leaf of
+  the collected values (in the order of ``capture``'s ``collected``).
+
+  Used by the benchmarks to time the rewrite separately from tracing ``f``.
+  """
+  accepts_key = None if tags is None else frozenset(tags)
+
+  def fn(*args):
+    collector = Collector(accepts_key)
+    outs = eval_collecting(closed.jaxpr, closed.consts, args, collector)
+    return [*outs, *jax.tree_util.tree_leaves(collector.result())]
+
+  return _jax.trace_to_closed_jaxpr(fn, closed.in_avals, 'rewrite_program')

@@ -177,6 +177,7 @@ class Collector:
     self.entries: list[tuple[Name, tp.Any, list[tp.Any]]] = []
     self.accumulators: dict[Name, Accumulator] = {}
     self.names: dict[Name, None] = {}
+    self.plain_names: set[Name] = set()
 
   # -- which sows this capture takes --------------------------------------
 
@@ -210,16 +211,15 @@ class Collector:
     self.names.setdefault(name, None)
 
   def add_entry(self, name: Name, treedef, leaves: tp.Sequence[tp.Any]):
-    if any(n == name for n, _, _ in self.entries):
-      pass
     self._note_name(name, None)
+    self.plain_names.add(name)
     self.entries.append((name, treedef, list(leaves)))
 
   def accumulator(self, name: Name, reduction: Reduction) -> Accumulator:
     """The accumulator of ``name``, created from ``init_fn()`` if new."""
     acc = self.accumulators.get(name)
     if acc is None:
-      if any(n == name for n, _, _ in self.entries):
+      if name in self.plain_names:
         raise _reduction_error(name)
       init = reduction.init_fn()
       leaves, treedef = jax.tree_util.tree_flatten(init)
@@ -346,17 +346,16 @@ class Collector:
 
   def result(self) -> Collected:
     """The ``collected`` dict: names in order of first sow."""
+    plain: dict[Name, list[tp.Any]] = {}
+    for n, t, ls in self.entries:
+      plain.setdefault(n, []).append(jax.tree_util.tree_unflatten(t, ls))
     out = Collected()
     for name in self.names:
       if name in self.accumulators:
         acc = self.accumulators[name]
         out[name] = jax.tree_util.tree_unflatten(acc.treedef, acc.leaves)
       else:
-        out[name] = tuple(
-            jax.tree_util.tree_unflatten(t, ls)
-            for n, t, ls in self.entries
-            if n == name
-        )
+        out[name] = tuple(plain.get(name, ()))
     return out
 
 

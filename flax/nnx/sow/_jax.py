@@ -74,6 +74,11 @@ user_context = source_info_util.user_context
 current_name_stack = source_info_util.current_name_stack
 
 
+def is_ref(x: tp.Any) -> bool:
+  """Whether ``x`` is a mutable array reference (``jax.new_ref``)."""
+  return isinstance(x, core.Ref)
+
+
 def allow_effect(effect_type: type[Effect]) -> None:
   """Registers ``effect_type`` where JAX checks effects of staged programs."""
   effects.lowerable_effects.add_type(effect_type)

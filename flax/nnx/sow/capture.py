@@ -42,6 +42,7 @@ import jax
 import numpy as np
 
 from flax.nnx.sow import _jax
+from flax.nnx.sow import graph as graph_lib
 from flax.nnx.sow.primitive import Name
 from flax.nnx.sow.primitive import Reduction
 from flax.nnx.sow.primitive import sow_p
@@ -520,7 +521,9 @@ def _unsupported(eqn, collector) -> NotImplementedError:
 
 
 def _is_array(x) -> bool:
-  return isinstance(x, (jax.Array, np.ndarray, jax.core.Tracer))
+  return isinstance(x, (jax.Array, np.ndarray, jax.core.Tracer)) or (
+      _jax.is_ref(x)
+  )
 
 
 def capture(
@@ -588,7 +591,11 @@ def capture(
 
 
 def _capture_call(f, accepts_key, args, kwargs):
-  leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs))
+  # NNX graph nodes (modules, optimizers, Rngs) among the arguments are
+  # split into their state, which is traced, and merged back inside, so the
+  # state updates ``f`` makes come back as outputs (as ``nnx.jit`` does).
+  graph = graph_lib.GraphArgs((args, kwargs))
+  leaves, in_tree = jax.tree_util.tree_flatten(graph.pytree)
   is_array = [_is_array(x) for x in leaves]
   arrays = [x for x, a in zip(leaves, is_array) if a]
   out_box = []
@@ -596,9 +603,10 @@ def _capture_call(f, accepts_key, args, kwargs):
   def flat_f(*traced):
     it = iter(traced)
     full = [next(it) if a else x for x, a in zip(leaves, is_array)]
-    a, kw = jax.tree_util.tree_unflatten(in_tree, full)
+    a, kw = graph.merge(jax.tree_util.tree_unflatten(in_tree, full))
     out = f(*a, **kw)
-    out_leaves, out_tree = jax.tree_util.tree_flatten(out)
+    out, updates = graph.outputs(out)
+    out_leaves, out_tree = jax.tree_util.tree_flatten((out, updates))
     out_is_array = [_is_array(x) for x in out_leaves]
     out_box.append((out_tree, out_leaves, out_is_array))
     return [x for x, o in zip(out_leaves, out_is_array) if o]
@@ -613,10 +621,9 @@ def _capture_call(f, accepts_key, args, kwargs):
   outs = iter(eval_collecting(closed.jaxpr, closed.consts, arrays, collector))
   out_leaves = [next(outs) if o else x for x, o in zip(static_out,
                                                         out_is_array)]
-  return (
-      jax.tree_util.tree_unflatten(out_tree, out_leaves),
-      collector.result(),
-  )
+  out, updates = jax.tree_util.tree_unflatten(out_tree, out_leaves)
+  graph.update(updates)
+  return out, collector.result()
 
 
 def rewrite_program(

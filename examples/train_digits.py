@@ -23,8 +23,8 @@ step, reads what the network does on the way:
 * the same statistics for the dense layer through the legacy
   ``self.sow(nnx.Intermediate, ...)`` path, read back with ``nnx.capture``;
 * the gradient norm of each layer's activations, marked with ``perturb``;
-* the number of dead convolution channels, summed over layers in the staged
-  program with ``reduce_fn``/``init_fn``.
+* the number of dead ReLU units in the whole network, summed over layers in
+  the staged program with ``reduce_fn``/``init_fn``.
 
 The model returns logits and nothing else; the statistics come back from
 ``capture``. The script ends with the test accuracy and writes a figure of the
@@ -81,6 +81,19 @@ def zero_count() -> jax.Array:
   return jnp.zeros((), jnp.int32)
 
 
+def count_dead(h: jax.Array) -> None:
+  """Adds this layer's dead units to the network-wide 'dead_units' count."""
+  # A reduced sow: every layer adds its count to one int32 accumulator, so
+  # the capture returns a single scalar for the whole network. All sites of
+  # one name pass the same two functions (not a fresh lambda per call).
+  sow(
+      dead_units(h).sum(dtype=jnp.int32),
+      name='dead_units',
+      reduce_fn=add_count,
+      init_fn=zero_count,
+  )
+
+
 def watch(h: jax.Array, layer: str) -> jax.Array:
   """Marks one layer's activation ``h``; returns ``h`` unchanged.
 
@@ -88,15 +101,7 @@ def watch(h: jax.Array, layer: str) -> jax.Array:
   """
   # A plain sow: one entry per call, collected under ('conv1', 'stats').
   sow(activation_stats(h), name=(layer, 'stats'))
-  # A reduced sow: every layer adds its count to one int32 accumulator, so
-  # the capture returns a single scalar for the whole network. All sites of
-  # one name pass the same two functions (not a fresh lambda per call).
-  sow(
-      dead_units(h).sum(dtype=jnp.int32),
-      name='dead_conv_channels',
-      reduce_fn=add_count,
-      init_fn=zero_count,
-  )
+  count_dead(h)
   # perturb: the cotangent d(loss)/dh is collected when differentiated.
   return perturb(h, name=(layer, 'grad'))
 
@@ -130,6 +135,7 @@ class DenseBlock(nnx.Module):
     # The NNX style: collected by nnx.capture(..., nnx.Intermediate) under
     # this module's path, {'dense': {'stats': Intermediate((stats,))}}.
     self.sow(nnx.Intermediate, 'stats', activation_stats(h))
+    count_dead(h)  # the free style works next to it
     return perturb(h, name=('dense', 'grad'))
 
 
@@ -181,7 +187,7 @@ def train_step(model: CNN, optimizer: nnx.Optimizer, x, y):
   metrics = {
       'loss': loss,
       'accuracy': (logits.argmax(-1) == y).mean(),
-      'dead_conv_channels': collected['dead_conv_channels'],
+      'dead_units': collected['dead_units'],
   }
   for layer in LAYERS:
     (cotangent,) = collected[(layer, 'grad')]
@@ -234,8 +240,8 @@ def plot(history: dict[str, np.ndarray], path: str) -> None:
     ax.set_xlabel('step')
   axes[2].set_yscale('log')
   axes[0].legend()
-  axes[3].plot(history['dead_conv_channels'], color='k')
-  axes[3].set_title('dead conv channels (reduced in-graph)')
+  axes[3].plot(history['dead_units'], color='k')
+  axes[3].set_title('dead ReLU units, all layers (reduced in-graph)')
   axes[3].set_xlabel('step')
   fig.tight_layout()
   fig.savefig(path, dpi=90)

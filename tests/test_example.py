@@ -112,9 +112,9 @@ class ExampleRunTest(absltest.TestCase):
       self.assertTrue((history[f'{layer}/grad_norm'] > 0).all())
       dead = history[f'{layer}/dead']
       self.assertTrue(((dead >= 0) & (dead <= 1)).all())
-    total = history['dead_conv_channels']
+    total = history['dead_units']
     self.assertEqual(total.dtype, np.int32)
-    self.assertTrue(((total >= 0) & (total <= 16 + 32)).all())
+    self.assertTrue(((total >= 0) & (total <= 16 + 32 + 64)).all())
     self.assertTrue(np.isfinite(history['loss']).all())
     self.assertBetween(result['test_accuracy'], 0.0, 1.0)
 
@@ -161,11 +161,11 @@ class ExampleStatisticsTest(absltest.TestCase):
             atol=1e-6,
             err_msg=f'{layer}/{key}',
         )
-    dead_conv = sum(
+    dead_total = sum(
         int((np.asarray(h).reshape(-1, h.shape[-1]) <= 0).all(0).sum())
-        for h in (h1, h2)
+        for h in (h1, h2, h3)
     )
-    self.assertEqual(int(metrics['dead_conv_channels']), dead_conv)
+    self.assertEqual(int(metrics['dead_units']), dead_total)
     # The step's state updates reached the caller's model: new parameters
     # and BatchNorm running statistics (initialised to zero).
     self.assertFalse(

@@ -70,6 +70,8 @@ primitive_jvps = ad.primitive_jvps
 primitive_transposes = ad.primitive_transposes
 fancy_primitive_batchers = batching.fancy_primitive_batchers
 register_lowering = mlir.register_lowering
+partial_eval_jaxpr_custom_rules = pe.partial_eval_jaxpr_custom_rules
+new_jaxpr_eqn = pe.new_jaxpr_eqn
 user_context = source_info_util.user_context
 current_name_stack = source_info_util.current_name_stack
 

@@ -88,7 +88,8 @@ def sow_sites(jaxpr: _jax.Jaxpr) -> tuple[SowSite, ...]:
   for eqn in jaxpr.eqns:
     if eqn.primitive is sow_p:
       p = eqn.params
-      sites.append(SowSite(p['name'], p['tag'], p['reduction']))
+      if not p['remat_copy']:
+        sites.append(SowSite(p['name'], p['tag'], p['reduction']))
     else:
       for sub in _jax.jaxprs_in_params(eqn.params):
         sites.extend(sow_sites(sub))
@@ -253,7 +254,7 @@ class Collector:
 
   def on_sow(self, eqn: _jax.JaxprEqn, invals: list[tp.Any]) -> list[tp.Any]:
     p = eqn.params
-    if not self.accepts(p['tag']):
+    if p['remat_copy'] or not self.accepts(p['tag']):
       return _jax.bind_equation(eqn, invals)
     invals = [x if _is_array(x) else jax.numpy.asarray(x) for x in invals]
     if p['reduction'] is None:

@@ -74,20 +74,26 @@ sow_p = _jax.Primitive('sow')
 sow_p.multiple_results = True
 
 
+# ``remat_copy=True`` marks the copy of a sow that partial evaluation leaves in
+# a rematerialised (recomputed) program: an identity without effect that no
+# capture collects, so a sow inside ``jax.checkpoint`` is collected once and
+# does not force its value to be saved as a residual.
+
+
 @sow_p.def_impl
-def _sow_impl(*leaves, name, tag, treedef, reduction):
-  del name, tag, treedef, reduction
+def _sow_impl(*leaves, name, tag, treedef, reduction, remat_copy):
+  del name, tag, treedef, reduction, remat_copy
   return leaves
 
 
 @sow_p.def_effectful_abstract_eval
-def _sow_abstract_eval(*avals, name, tag, treedef, reduction):
+def _sow_abstract_eval(*avals, name, tag, treedef, reduction, remat_copy):
   del name, tag, treedef, reduction
-  return avals, {sow_effect}
+  return avals, set() if remat_copy else {sow_effect}
 
 
-def _sow_lowering(ctx, *leaves, name, tag, treedef, reduction):
-  del ctx, name, tag, treedef, reduction
+def _sow_lowering(ctx, *leaves, name, tag, treedef, reduction, remat_copy):
+  del ctx, name, tag, treedef, reduction, remat_copy
   return leaves
 
 
@@ -116,6 +122,39 @@ def _sow_batch(axis_data, leaves, dims, **params):
 
 
 _jax.fancy_primitive_batchers[sow_p] = _sow_batch
+
+
+def _sow_partial_eval_custom(saveable, unks_in, inst_in, eqn):
+  """Partial evaluation for remat: the sow runs in the known program only."""
+  del saveable
+  n = len(eqn.outvars)
+  if any(unks_in):
+    # A sow of a value only known later is staged whole; its known inputs
+    # that the staged program does not compute become residuals.
+    res = [
+        v
+        for v, unk, inst in zip(eqn.invars, unks_in, inst_in)
+        if not unk and not inst and isinstance(v, _jax.Var)
+    ]
+    return None, eqn, [True] * n, [True] * n, res
+  # Known: collect here; where the staged program recomputes the operand, it
+  # recomputes the result with an effect-free copy instead of saving it.
+  keep = [i for i, inst in enumerate(inst_in) if inst]
+  staged = None
+  if keep:
+    staged = _jax.new_jaxpr_eqn(
+        [eqn.invars[i] for i in keep],
+        [eqn.outvars[i] for i in keep],
+        sow_p,
+        dict(eqn.params, remat_copy=True),
+        set(),
+        eqn.source_info,
+        eqn.ctx,
+    )
+  return eqn, staged, [False] * n, list(inst_in), []
+
+
+_jax.partial_eval_jaxpr_custom_rules[sow_p] = _sow_partial_eval_custom
 
 
 def name_repr(name: Name) -> str:
@@ -245,6 +284,11 @@ def sow(
     return value
   reduction = None if reduce_fn is None else Reduction(reduce_fn, init_fn)
   out = sow_p.bind(
-      *leaves, name=name, tag=tag, treedef=treedef, reduction=reduction
+      *leaves,
+      name=name,
+      tag=tag,
+      treedef=treedef,
+      reduction=reduction,
+      remat_copy=False,
   )
   return jax.tree_util.tree_unflatten(treedef, out)

@@ -157,10 +157,9 @@ class Layout:
     return self.num_entry_leaves + self.num_accumulator_leaves
 
 
-def _reduction_error(name, construct=None):
-  where = f' inside {construct}' if construct else ''
+def _reduction_error(name):
   return ValueError(
-      f'sow {name!r}: two sites of this name{where} use different'
+      f'sow {name!r}: two sites of this name use different'
       ' reduce_fn/init_fn (or one reduces and one does not). Every site of a'
       ' reduced name must pass the same two function objects; give the'
       ' sites different names otherwise.'
@@ -203,17 +202,10 @@ class Collector:
 
   # -- recording ----------------------------------------------------------
 
-  def _note_name(self, name: Name, reduction: Reduction | None):
-    acc = self.accumulators.get(name)
-    if reduction is None:
-      if acc is not None:
-        raise _reduction_error(name)
-    elif acc is not None and acc.reduction != reduction:
+  def add_entry(self, name: Name, treedef, leaves: tp.Sequence[tp.Any]):
+    if name in self.accumulators:
       raise _reduction_error(name)
     self.names.setdefault(name, None)
-
-  def add_entry(self, name: Name, treedef, leaves: tp.Sequence[tp.Any]):
-    self._note_name(name, None)
     self.plain_names.add(name)
     self.entries.append((name, treedef, list(leaves)))
 
@@ -287,10 +279,7 @@ class Collector:
     return [x for s in specs for x in self.accumulators[s.name].leaves]
 
   def rewrite(
-      self,
-      jaxpr: _jax.ClosedJaxpr,
-      specs: tuple[ReducedSpec, ...],
-      in_avals: tp.Sequence[tp.Any] | None = None,
+      self, jaxpr: _jax.ClosedJaxpr, specs: tuple[ReducedSpec, ...]
   ) -> tuple[_jax.ClosedJaxpr, Layout]:
     """``jaxpr`` with what this capture collects in it as extra outputs.
 
@@ -299,19 +288,12 @@ class Collector:
     """
     return rewrite_jaxpr(jaxpr, self.accepts_key, specs)
 
-  def absorb(
-      self,
-      layout: Layout,
-      extra: tp.Sequence[tp.Any],
-      *,
-      stacked: bool = False,
-  ) -> None:
+  def absorb(self, layout: Layout, extra: tp.Sequence[tp.Any]) -> None:
     """Records the extra outputs of a rewritten jaxpr, laid out by ``layout``.
 
-    ``stacked`` entries (from a loop) have one more leading axis; that does
-    not change how they are recorded.
+    Entries from a loop carry one more leading axis, which changes nothing
+    here.
     """
-    del stacked
     extra = list(extra)
     assert len(extra) == layout.num_extra, (len(extra), layout)
     pos = 0

@@ -106,7 +106,7 @@ def _scan_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
   acc_out = outs[:n_acc]
   ordinary = outs[n_acc : n_acc + n_carry + n_ys]
   entries = outs[n_acc + n_carry + n_ys :]
-  collector.absorb(layout, [*entries, *acc_out], stacked=True)
+  collector.absorb(layout, [*entries, *acc_out])
   return ordinary
 
 

@@ -17,12 +17,16 @@
 One test per file: its blocks run in order in one fresh namespace, so a later
 block may use what an earlier one defined. A block directly preceded by the
 line ``<!-- skip -->`` is not run (meant only for shell sessions or output
-shown as Python).
+shown as Python). A ```text block directly preceded by ``<!-- output -->``
+must appear verbatim in what the file's Python blocks print, so printed
+jaxprs in the docs stay real.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import pathlib
 import re
 import tempfile
@@ -31,7 +35,7 @@ from absl.testing import absltest, parameterized
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SKIP_MARK = '<!-- skip -->'
-_FENCE_OPEN = re.compile(r'^```python\s*$')
+OUTPUT_MARK = '<!-- output -->'
 _FENCE_CLOSE = re.compile(r'^```\s*$')
 
 
@@ -40,20 +44,21 @@ class Block:
   path: pathlib.Path
   line: int  # 1-based line of the first line of code
   code: str
-  skip: bool
+  mark: str  # the last non-empty line before the opening fence
 
 
 def doc_files() -> list[pathlib.Path]:
   return [ROOT / 'README.md', *sorted((ROOT / 'docs').glob('*.md'))]
 
 
-def python_blocks(path: pathlib.Path) -> list[Block]:
-  """The ```python blocks of a Markdown file, in order."""
+def fenced_blocks(path: pathlib.Path, language: str) -> list[Block]:
+  """The ```language blocks of a Markdown file, in order."""
+  fence_open = re.compile(rf'^```{re.escape(language)}\s*$')
   lines = path.read_text(encoding='utf-8').splitlines()
   blocks = []
   i = 0
   while i < len(lines):
-    if not _FENCE_OPEN.match(lines[i]):
+    if not fence_open.match(lines[i]):
       i += 1
       continue
     previous = next(
@@ -64,31 +69,46 @@ def python_blocks(path: pathlib.Path) -> list[Block]:
     while end < len(lines) and not _FENCE_CLOSE.match(lines[end]):
       end += 1
     if end == len(lines):
-      raise ValueError(f'{path}:{i + 1}: ```python block is never closed')
+      raise ValueError(f'{path}:{i + 1}: ```{language} block is never closed')
     blocks.append(
         Block(
             path=path,
             line=start + 1,
             code='\n'.join(lines[start:end]) + '\n',
-            skip=previous == SKIP_MARK,
+            mark=previous,
         )
     )
     i = end + 1
   return blocks
 
 
-def run_blocks(blocks: list[Block]) -> int:
-  """Executes the blocks in one namespace; returns how many ran."""
+def python_blocks(path: pathlib.Path) -> list[Block]:
+  return fenced_blocks(path, 'python')
+
+
+def output_blocks(path: pathlib.Path) -> list[Block]:
+  """The ```text blocks marked as printed output of the Python blocks."""
+  return [b for b in fenced_blocks(path, 'text') if b.mark == OUTPUT_MARK]
+
+
+def run_blocks(blocks: list[Block]) -> tuple[int, str]:
+  """Executes the blocks in one namespace.
+
+  Returns:
+    How many blocks ran (those not marked skip), and what they printed.
+  """
   namespace = {'__name__': '__doc_test__'}
   ran = 0
-  for block in blocks:
-    if block.skip:
-      continue
-    # Padding with newlines makes tracebacks point at the Markdown line.
-    source = '\n' * (block.line - 1) + block.code
-    exec(compile(source, str(block.path), 'exec'), namespace)
-    ran += 1
-  return ran
+  printed = io.StringIO()
+  with contextlib.redirect_stdout(printed):
+    for block in blocks:
+      if block.mark == SKIP_MARK:
+        continue
+      # Padding with newlines makes tracebacks point at the Markdown line.
+      source = '\n' * (block.line - 1) + block.code
+      exec(compile(source, str(block.path), 'exec'), namespace)
+      ran += 1
+  return ran, printed.getvalue()
 
 
 class ParserTest(absltest.TestCase):
@@ -120,9 +140,27 @@ class ParserTest(absltest.TestCase):
     )
     blocks = python_blocks(path)
     self.assertEqual([b.line for b in blocks], [3, 8, 14])
-    self.assertEqual([b.skip for b in blocks], [False, True, False])
+    self.assertEqual(
+        [b.mark == SKIP_MARK for b in blocks], [False, True, False]
+    )
     self.assertEqual(blocks[2].code, 'y = x + 1\n')
-    self.assertEqual(run_blocks(blocks), 2)
+    self.assertEqual(run_blocks(blocks), (2, ''))
+
+  def test_output_blocks_and_printed_text(self):
+    path = self.write_doc(
+        '```python\n'
+        'print(6 * 7)\n'
+        '```\n'
+        '<!-- output -->\n'
+        '```text\n'
+        '42\n'
+        '```\n'
+        '```text\n'
+        'not checked\n'
+        '```\n'
+    )
+    self.assertEqual([b.code for b in output_blocks(path)], ['42\n'])
+    self.assertEqual(run_blocks(python_blocks(path)), (1, '42\n'))
 
   def test_traceback_points_at_markdown_line(self):
     path = self.write_doc('# t\n\n```python\nok = 1\nassert ok == 2\n```\n')
@@ -148,7 +186,17 @@ class DocsTest(parameterized.TestCase):
   def test_code_blocks_run(self, path):
     blocks = python_blocks(path)
     self.assertNotEmpty(blocks, f'{path} has no ```python block')
-    self.assertGreater(run_blocks(blocks), 0)
+    ran, printed = run_blocks(blocks)
+    self.assertGreater(ran, 0)
+    # Output shown in the docs (a ```text block after <!-- output -->) is
+    # what the code above it really prints.
+    for block in output_blocks(path):
+      self.assertIn(
+          block.code.strip(),
+          printed,
+          f'{path}:{block.line}: this output is not what the code prints;'
+          " regenerate it by running the page's ```python blocks",
+      )
 
 
 if __name__ == '__main__':

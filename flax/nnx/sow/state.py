@@ -178,9 +178,8 @@ def state_to_collected(
     for key, value in node.items():
       path = (*prefix, key)
       if isinstance(value, nnx.Variable):
-        out[path[0] if len(path) == 1 and isinstance(path[0], str) else path] = (
-            value.get_value()
-        )
+        key = path[0] if len(path) == 1 and isinstance(path[0], str) else path
+        out[key] = value.get_value()
       elif isinstance(value, tp.Mapping):
         visit(value, path)
       else:

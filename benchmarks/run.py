@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import os
 import statistics
@@ -169,83 +170,87 @@ def count_eqns(jaxpr) -> int:
 
 
 def _rewrite_alone() -> tp.Callable[[tp.Any], tp.Any] | None:
-  """A function ``closed_jaxpr -> rewritten closed jaxpr``, or ``None``.
-
-  Prefers ``flax.nnx.sow.capture.rewrite_program`` if the core offers it;
-  else stages the core's own top-level loop (``eval_collecting`` with a fresh
-  ``Collector``) over the already-staged jaxpr, which is what ``capture``
-  does after tracing ``f``; else ``None``.
-  """
+  """The core's ``rewrite_program(closed_jaxpr) -> closed_jaxpr``, if any."""
   try:
-    from flax.nnx.sow import _jax  # pylint: disable=g-import-not-at-top
+    from flax.nnx.sow import capture as _  # pylint: disable=g-import-not-at-top
     core = sys.modules['flax.nnx.sow.capture']
   except (ImportError, KeyError):
     return None
   hook = getattr(core, 'rewrite_program', None)
-  if callable(hook):
-    return hook
-  collector, loop = (getattr(core, n, None)
-                     for n in ('Collector', 'eval_collecting'))
-  if collector is None or loop is None:
-    return None
+  return hook if callable(hook) else None
 
-  def rewrite(closed):
-    def flat(*args):
-      c = collector(None)
-      outs = loop(closed.jaxpr, closed.consts, args, c)
-      return [*outs, *jax.tree.leaves(dict(c.result()))]
-    return _jax.trace_to_closed_jaxpr(flat, closed.in_avals, 'rewrite')
 
-  return rewrite
+def _restage(closed):
+  """JAX's own re-staging of ``closed`` (``eval_jaxpr`` under a new trace).
+
+  The same per-equation work as the rewrite minus the collecting: the
+  reference for how any re-staging of this jaxpr scales.
+  """
+  return jax.make_jaxpr(
+      lambda *args: jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
+  )(*closed.in_avals)
+
+
+def _per_eqn_samples(fn, jaxprs, repeats, gc_enabled=True):
+  """Seconds per equation of ``fn(jaxpr)``, alternating over ``jaxprs``."""
+  sizes = list(jaxprs)
+  samples = {n: [] for n in sizes}
+  for n in sizes:  # warm-up
+    fn(jaxprs[n][0])
+  for i in range(repeats):
+    for n in sizes if i % 2 == 0 else sizes[::-1]:
+      jaxpr, eqns = jaxprs[n]
+      gc.collect()
+      if not gc_enabled:
+        gc.disable()
+      try:
+        samples[n].append(timing.time_call(lambda: fn(jaxpr) and None) / eqns)
+      finally:
+        gc.enable()
+  return samples
 
 
 @benchmark('rewrite_scaling')
 def rewrite_scaling(cfg: Config) -> list[Result]:
   rewrite = _rewrite_alone()
   small, large = cfg.scaling_layers
-  per_size = {}
+  jaxprs = {}
   for layers in (small, large):
     sizes = cfg.sizes.replace(layers=layers)
     graphdef, state = wl.abstract_state(sizes)
-    x = wl.abstract_input(sizes)
     f = wl.pure_functions(graphdef)['f']
-    jaxpr = jax.make_jaxpr(f)(state, x)
-    per_size[layers] = (f, state, x, jaxpr, count_eqns(jaxpr))
+    jaxpr = jax.make_jaxpr(f)(state, wl.abstract_input(sizes))
+    jaxprs[layers] = (jaxpr, count_eqns(jaxpr))
 
   if rewrite is not None:
-    method = 'rewrite of the staged jaxpr alone'
-
-    def sample(layers):
-      return timing.time_call(lambda: rewrite(per_size[layers][3]) and None)
+    method = 'rewrite_program of the staged jaxpr'
   else:
-    method = 'make_jaxpr(capture(f)) - make_jaxpr(f)'
+    method = 'make_jaxpr(capture(f)) of the staged jaxpr'
 
-    def sample(layers):
-      f, state, x, _, _ = per_size[layers]
-      # Fresh wrappers: the tracing caches must not hide the work.
-      plain = timing.time_call(
-          lambda: jax.make_jaxpr(functools.partial(f))(state, x) and None)
-      captured = timing.time_call(
-          lambda: jax.make_jaxpr(capture(functools.partial(f)))(state, x)
-          and None)
-      return captured - plain
+    def rewrite(closed):
+      fn = lambda *a: jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *a)
+      return jax.make_jaxpr(capture(fn))(*closed.in_avals)
 
-  for layers in (small, large):  # warm-up
-    sample(layers)
-  samples = {small: [], large: []}
-  for i in range(cfg.trace_repeats):
-    for layers in (small, large) if i % 2 == 0 else (large, small):
-      samples[layers].append(sample(layers) / per_size[layers][4])
-  a, b = (statistics.median(samples[n]) for n in (large, small))
+  def ratio(samples):
+    a, b = (statistics.median(samples[n]) for n in (large, small))
+    return a, b, a / b
+
+  a, b, r = ratio(_per_eqn_samples(rewrite, jaxprs, cfg.trace_repeats))
+  extra_repeats = max(1, cfg.trace_repeats // 2)
+  *_, r_nogc = ratio(_per_eqn_samples(rewrite, jaxprs, extra_repeats,
+                                      gc_enabled=False))
+  *_, r_jax = ratio(_per_eqn_samples(_restage, jaxprs, extra_repeats))
   return [Result(
       name='rewrite_scaling',
       a=f'rewrite s/eqn at {large} layers', b=f'rewrite s/eqn at {small} '
-      'layers', a_median=a, b_median=b, unit='s/eqn', ratio=a / b,
+      'layers', a_median=a, b_median=b, unit='s/eqn', ratio=r,
       ratio_kind='ratio of medians', target=1.5,
       sizes=dict(cfg.sizes.asdict(), layers=[small, large]),
       repeats=cfg.trace_repeats,
-      extra=dict(method=method, eqns={small: per_size[small][4],
-                                      large: per_size[large][4]}))]
+      extra=dict(
+          method=method,
+          eqns={small: jaxprs[small][1], large: jaxprs[large][1]},
+          ratio_gc_disabled=r_nogc, ratio_jax_restage=r_jax))]
 
 
 @benchmark('eager_jitted')
@@ -481,7 +486,23 @@ def table(rows: list[dict[str, tp.Any]]) -> str:
         f'{_fmt(r["a_median"], r["unit"])} | '
         f'{_fmt(r["b_median"], r["unit"])} | {r["ratio"]:.3f} | {target} | '
         f'{met} |')
-  return '\n'.join(lines)
+  notes = [_note(r) for r in rows if 'error' not in r]
+  return '\n'.join(lines + [n for n in notes if n])
+
+
+def _note(r) -> str:
+  """One line of figures from ``extra`` that explain a row, or ''."""
+  e = r['extra']
+  if r['name'] == 'rewrite_scaling':
+    return (f'  {r["name"]}: {e["method"]}; equations {e["eqns"]}; ratio '
+            f'with gc disabled {e["ratio_gc_disabled"]:.3f}; JAX\'s own '
+            f're-staging (eval_jaxpr) {e["ratio_jax_restage"]:.3f}')
+  if r['name'].startswith('reduce_memory'):
+    return f'  {r["name"]}: {json.dumps(e)}'
+  if 'ratio_of_minima' in e:
+    return (f'  {r["name"]}: ratio of medians {e["ratio_of_medians"]:.3f}, '
+            f'of minima {e["ratio_of_minima"]:.3f}')
+  return ''
 
 
 def main(argv: list[str] | None = None) -> int:

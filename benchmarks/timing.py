@@ -125,12 +125,15 @@ def paired_ratio(ta: tp.Sequence[float], tb: tp.Sequence[float]) -> float:
 def compare(name: str, a: str, b: str, ta, tb, *, target, sizes,
             extra=None) -> Result:
   """A ``Result`` for two lists of timings taken by ``interleaved``."""
+  a_median, b_median = statistics.median(ta), statistics.median(tb)
+  extra = dict(
+      extra or {}, ratio_of_medians=a_median / b_median,
+      ratio_of_minima=min(ta) / min(tb), samples_a=list(ta),
+      samples_b=list(tb))
   return Result(
-      name=name, a=a, b=b,
-      a_median=statistics.median(ta), b_median=statistics.median(tb),
-      unit='s', ratio=paired_ratio(ta, tb),
-      ratio_kind='median of paired ratios', target=target,
-      sizes=dict(sizes), repeats=len(ta), extra=dict(extra or {}))
+      name=name, a=a, b=b, a_median=a_median, b_median=b_median, unit='s',
+      ratio=paired_ratio(ta, tb), ratio_kind='median of paired ratios',
+      target=target, sizes=dict(sizes), repeats=len(ta), extra=extra)
 
 
 def is_positive_finite(x: float) -> bool:

@@ -72,6 +72,7 @@ __all__ = [
     'module_sow',
     'module_perturb',
     'functional_graph_call',
+    'module_scope',
 ]
 
 Name = tp.Union[str, tuple[tp.Union[str, int], ...]]
@@ -742,6 +743,21 @@ def _unchanged(pure_in, pure_out) -> bool:
     ):
       return False
   return True
+
+
+def module_scope(nodes, tags=None) -> _Active:
+  """A context in which ``Module.sow`` names modules by path from ``nodes``.
+
+  For the functional ``capture`` when it merges graph nodes itself: enter it
+  around the call of ``f`` with the merged (inner) graph nodes, each a root
+  whose modules sow under ``(*path, name)``; ``tags`` are the capture's tags
+  (``None``: all), which decide what ``Module.sow`` returns.
+  """
+  scope = _Scope('functional', None if tags is None else frozenset(tags))
+  for node in nodes:
+    if _graphlib.is_graph_node(node) and not isinstance(node, nnx.Variable):
+      scope.add_root(node)
+  return _Active(scope)
 
 
 # --------------------------------------------------------------------------

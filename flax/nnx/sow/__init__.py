@@ -20,6 +20,7 @@ name; ``perturb(value, name=...)`` collects the cotangent arriving at a value.
 See ``docs/guide.md``.
 """
 
+from flax.nnx.sow import batching as _batching  # hoists sows under vmap
 from flax.nnx.sow import loops as _loops  # registers the loop rules
 from flax.nnx.sow import rules as _rules  # registers the call-like rules
 from flax.nnx.sow.capture import Collected
@@ -38,4 +39,4 @@ __all__ = [
     'sow_p',
 ]
 
-del _loops, _rules
+del _batching, _loops, _rules

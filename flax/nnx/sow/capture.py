@@ -130,6 +130,15 @@ class ReducedSpec:
   avals: tuple[tp.Any, ...]
 
 
+class EntrySpec(tp.NamedTuple):
+  """One plain entry among a rewritten jaxpr's extra outputs."""
+
+  name: Name
+  tag: tp.Hashable
+  treedef: tp.Any
+  size: int  # number of leaves
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
   """The extra outputs of a rewritten jaxpr, after its ordinary outputs.
@@ -140,13 +149,13 @@ class Layout:
   order of ``reduced``.
   """
 
-  entries: tuple[tuple[Name, tp.Any, int], ...]  # (name, treedef, #leaves)
+  entries: tuple[EntrySpec, ...]
   reduced: tuple[ReducedSpec, ...]
   names: tuple[Name, ...]  # every name, in order of first sow
 
   @property
   def num_entry_leaves(self) -> int:
-    return sum(n for _, _, n in self.entries)
+    return sum(e.size for e in self.entries)
 
   @property
   def num_accumulator_leaves(self) -> int:
@@ -166,6 +175,13 @@ def _reduction_error(name):
   )
 
 
+PLAIN_SOWS = object()
+"""A ``Collector.accepts_key`` that takes every plain sow, whatever its tag.
+
+Used to hoist plain sows out of a construct (``batching.py``).
+"""
+
+
 class Collector:
   """What one capture has collected so far in one scope of the program.
 
@@ -175,14 +191,16 @@ class Collector:
 
   def __init__(self, accepts_key: frozenset | None):
     self.accepts_key = accepts_key
-    self.entries: list[tuple[Name, tp.Any, list[tp.Any]]] = []
+    self.entries: list[tuple[EntrySpec, list[tp.Any]]] = []
     self.accumulators: dict[Name, Accumulator] = {}
     self.names: dict[Name, None] = {}
     self.plain_names: set[Name] = set()
 
   # -- which sows this capture takes --------------------------------------
 
-  def accepts(self, tag: tp.Hashable) -> bool:
+  def accepts(self, tag: tp.Hashable, reduction: Reduction | None) -> bool:
+    if self.accepts_key is PLAIN_SOWS:
+      return reduction is None
     return self.accepts_key is None or tag in self.accepts_key
 
   def accepted_sites(
@@ -192,22 +210,24 @@ class Collector:
         s
         for j in jaxprs
         for s in sow_sites(as_jaxpr(j))
-        if self.accepts(s.tag)
+        if self.accepts(s.tag, s.reduction)
     ]
 
   def has_work(self, jaxprs) -> bool:
     return any(
-        self.accepts(s.tag) for j in jaxprs for s in sow_sites(as_jaxpr(j))
+        self.accepts(s.tag, s.reduction)
+        for j in jaxprs
+        for s in sow_sites(as_jaxpr(j))
     )
 
   # -- recording ----------------------------------------------------------
 
-  def add_entry(self, name: Name, treedef, leaves: tp.Sequence[tp.Any]):
-    if name in self.accumulators:
-      raise _reduction_error(name)
-    self.names.setdefault(name, None)
-    self.plain_names.add(name)
-    self.entries.append((name, treedef, list(leaves)))
+  def add_entry(self, spec: EntrySpec, leaves: tp.Sequence[tp.Any]):
+    if spec.name in self.accumulators:
+      raise _reduction_error(spec.name)
+    self.names.setdefault(spec.name, None)
+    self.plain_names.add(spec.name)
+    self.entries.append((spec, list(leaves)))
 
   def accumulator(self, name: Name, reduction: Reduction) -> Accumulator:
     """The accumulator of ``name``, created from ``init_fn()`` if new."""
@@ -246,11 +266,12 @@ class Collector:
 
   def on_sow(self, eqn: _jax.JaxprEqn, invals: list[tp.Any]) -> list[tp.Any]:
     p = eqn.params
-    if p['remat_copy'] or not self.accepts(p['tag']):
+    if p['remat_copy'] or not self.accepts(p['tag'], p['reduction']):
       return _jax.bind_equation(eqn, invals)
     invals = [x if _is_array(x) else jax.numpy.asarray(x) for x in invals]
     if p['reduction'] is None:
-      self.add_entry(p['name'], p['treedef'], invals)
+      spec = EntrySpec(p['name'], p['tag'], p['treedef'], len(invals))
+      self.add_entry(spec, invals)
     else:
       self.reduce(p['name'], p['reduction'], p['treedef'], invals)
     return invals
@@ -296,23 +317,23 @@ class Collector:
     """
     extra = list(extra)
     assert len(extra) == layout.num_extra, (len(extra), layout)
+    for name in layout.names:  # keeps the order of first sow
+      self.names.setdefault(name, None)
     pos = 0
-    for name, treedef, n in layout.entries:
-      self.add_entry(name, treedef, extra[pos : pos + n])
-      pos += n
+    for spec in layout.entries:
+      self.add_entry(spec, extra[pos : pos + spec.size])
+      pos += spec.size
     for spec in layout.reduced:
       n = len(spec.avals)
       self.accumulators[spec.name] = Accumulator(
           spec.treedef, tuple(extra[pos : pos + n]), spec.reduction
       )
       pos += n
-    for name in layout.names:
-      self.names.setdefault(name, None)
     for spec in layout.reduced:
       self.names.setdefault(spec.name, None)
 
   def layout(self, specs: tuple[ReducedSpec, ...]) -> Layout:
-    entries = tuple((n, t, len(ls)) for n, t, ls in self.entries)
+    entries = tuple(spec for spec, _ in self.entries)
     reduced = tuple(
         ReducedSpec(
             s.name,
@@ -325,14 +346,16 @@ class Collector:
     return Layout(entries, reduced, tuple(self.names))
 
   def extra_outputs(self, specs: tuple[ReducedSpec, ...]) -> list[tp.Any]:
-    leaves = [x for _, _, ls in self.entries for x in ls]
+    leaves = [x for _, ls in self.entries for x in ls]
     return leaves + self.accumulator_leaves(specs)
 
   def result(self) -> Collected:
     """The ``collected`` dict: names in order of first sow."""
     plain: dict[Name, list[tp.Any]] = {}
-    for n, t, ls in self.entries:
-      plain.setdefault(n, []).append(jax.tree_util.tree_unflatten(t, ls))
+    for spec, ls in self.entries:
+      plain.setdefault(spec.name, []).append(
+          jax.tree_util.tree_unflatten(spec.treedef, ls)
+      )
     out = Collected()
     for name in self.names:
       if name in self.accumulators:

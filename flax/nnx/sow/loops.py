@@ -191,77 +191,81 @@ construct_names[_jax.while_p] = '`lax.while_loop`'
 # cond / switch
 
 
-def _entry_keys(layout: Layout):
+def _entry_keys(layout: Layout) -> list[tuple[tp.Any, int]]:
+  """``(name, k)`` for the ``k``-th entry of each name, in layout order."""
   seen = collections.Counter()
   keys = []
-  for name, _, _ in layout.entries:
-    keys.append((name, seen[name]))
-    seen[name] += 1
+  for spec in layout.entries:
+    keys.append((spec.name, seen[spec.name]))
+    seen[spec.name] += 1
   return keys
 
 
-def _branch_mismatch(name, branch, other, what):
+def _branch_mismatch(name, branch, what):
   return ValueError(
-      f'sow {name!r}: inside `lax.cond`/`lax.switch`, branch {branch} {what}'
-      f' than branch {other}. Every branch must sow the same plain names'
-      ' with the same shapes and dtypes, since capture returns the value of'
-      ' the branch taken; sow the same value in every branch (e.g. zeros in'
-      ' the others), or pass reduce_fn/init_fn to reduce it.'
+      f'sow {name!r}: inside `lax.cond`/`lax.switch`, branch {branch} {what}.'
+      ' Every branch must sow the same plain names, the same number of'
+      ' times, with the same shapes and dtypes, since capture returns the'
+      ' value of the branch taken; sow the same value in every branch (e.g.'
+      ' zeros in the others), or pass reduce_fn/init_fn to reduce it.'
   )
 
 
-def _cond_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
-  branches = eqn.params['branches']
-  specs = collector.reduced_specs(branches)
-  acc_in = collector.accumulator_leaves(specs)
-  rewritten = [collector.rewrite(b, specs) for b in branches]
-  n_out = len(eqn.outvars)
-  n_acc = len(acc_in)
+def align_branches(
+    rewritten: tp.Sequence[tuple[_jax.ClosedJaxpr, Layout]], n_out: int
+) -> tuple[tuple[_jax.ClosedJaxpr, ...], Layout]:
+  """Branches whose extra outputs line up with the first branch's.
 
-  # Line the plain entries of every branch up with branch 0's.
+  Args:
+    rewritten: ``(jaxpr, layout)`` of each branch, rewritten with the same
+      reduced specs.
+    n_out: the number of ordinary outputs.
+
+  Returns:
+    The branches, each returning ``[*outputs, *entries, *accumulators]`` with
+    the entries in the first branch's order and without weak types, and the
+    layout they share (names from every branch).
+
+  Raises:
+    ValueError: if the branches do not sow the same plain names the same
+      number of times with the same structure, shapes and dtypes.
+  """
+  placed = []  # per branch: {(name, k): (spec, first output position)}
+  for closed, layout in rewritten:
+    pos, where = n_out, {}
+    for key, spec in zip(_entry_keys(layout), layout.entries):
+      where[key] = (spec, pos)
+      pos += spec.size
+    placed.append(where)
   keys0 = _entry_keys(rewritten[0][1])
-  for i, (_, layout) in enumerate(rewritten[1:], 1):
-    keys = _entry_keys(layout)
-    for k in keys0:
-      if k not in keys:
-        raise _branch_mismatch(k[0], i, 0, f'sows it {k[1]} time(s), fewer')
-    for k in keys:
-      if k not in keys0:
+  first = placed[0]
+  count0 = collections.Counter(spec.name for spec in rewritten[0][1].entries)
+  for i, where in enumerate(placed[1:], 1):
+    count = collections.Counter(spec.name for spec in rewritten[i][1].entries)
+    for name in {**count0, **count}:
+      if count[name] != count0[name]:
         raise _branch_mismatch(
-            k[0], 0, i, f'sows it {k[1]} time(s), fewer'
+            name, i,
+            f'sows it {count[name]} time(s) but branch 0 sows it'
+            f' {count0[name]} time(s)',
         )
-
-  def offsets(layout):
-    out, pos = {}, n_out
-    for key, (_, _, n) in zip(_entry_keys(layout), layout.entries):
-      out[key] = (pos, n)
-      pos += n
-    return out, pos
-
-  layout0 = rewritten[0][1]
-  offs0, _ = offsets(layout0)
-  for i, (closed, layout) in enumerate(rewritten[1:], 1):
-    offs, _ = offsets(layout)
     for key in keys0:
-      (p0, n0), (pi, ni) = offs0[key], offs[key]
-      a0 = [a.strip_weak_type() for a in rewritten[0][0].out_avals[p0 : p0 + n0]]
-      ai = [a.strip_weak_type() for a in closed.out_avals[pi : pi + ni]]
-      t0 = dict(zip(_entry_keys(layout0), layout0.entries))[key][1]
-      ti = dict(zip(_entry_keys(layout), layout.entries))[key][1]
-      if t0 != ti or a0 != ai:
+      (s0, p0), (si, pi) = first[key], where[key]
+      a0 = _strong_avals(rewritten[0][0].out_avals[p0 : p0 + s0.size])
+      ai = _strong_avals(rewritten[i][0].out_avals[pi : pi + si.size])
+      if s0.treedef != si.treedef or a0 != ai:
         raise _branch_mismatch(
-            key[0], i, 0,
-            f'sows a different structure or type ({ti} of'
-            f' {[a.str_short() for a in ai]} vs {t0} of'
-            f' {[a.str_short() for a in a0]})'
+            key[0], i,
+            f'sows {si.treedef} of {[a.str_short() for a in ai]} but branch'
+            f' 0 sows {s0.treedef} of {[a.str_short() for a in a0]}',
         )
 
-  def build(closed, layout):
-    offs, end = offsets(layout)
+  def build(closed, layout, where):
     order = list(range(n_out))
     for key in keys0:
-      pos, n = offs[key]
-      order.extend(range(pos, pos + n))
+      spec, pos = where[key]
+      order.extend(range(pos, pos + spec.size))
+    end = n_out + layout.num_entry_leaves
     order.extend(range(end, end + layout.num_accumulator_leaves))
 
     def fn(*args):
@@ -270,17 +274,36 @@ def _cond_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
 
     return _jax.trace_to_closed_jaxpr(fn, closed.in_avals, 'cond_capture')
 
-  new_branches = tuple(
-      cached(closed, ('cond', tuple(keys0)), lambda c=closed, l=layout: build(c, l))
-      for closed, layout in rewritten
+  branches = tuple(
+      cached(
+          closed,
+          ('cond', n_out, tuple(keys0)),
+          lambda c=closed, l=layout, w=where: build(c, l, w),
+      )
+      for (closed, layout), where in zip(rewritten, placed)
+  )
+  names = {n: None for _, layout in rewritten for n in layout.names}
+  shared = dataclasses.replace(rewritten[0][1], names=tuple(names))
+  return branches, shared
+
+
+def _strong_avals(avals):
+  return [a.strip_weak_type() for a in avals]
+
+
+def _cond_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
+  branches = eqn.params['branches']
+  specs = collector.reduced_specs(branches)
+  acc_in = collector.accumulator_leaves(specs)
+  n_out = len(eqn.outvars)
+  new_branches, layout = align_branches(
+      [collector.rewrite(b, specs) for b in branches], n_out
   )
   index, ops = invals[0], invals[1:]
   outs = _jax.cond_p.bind(
       index, *acc_in, *ops, **dict(eqn.params, branches=new_branches)
   )
-  names = {n: None for _, layout in rewritten for n in layout.names}
-  merged = dataclasses.replace(layout0, names=tuple(names))
-  collector.absorb(merged, outs[n_out:])
+  collector.absorb(layout, outs[n_out:])
   return outs[:n_out]
 
 

@@ -17,26 +17,39 @@
 ``sow(value, name=...)`` tags a value anywhere in a JAX program;
 ``capture(f)`` returns ``(f(...), collected)`` with every tagged value by
 name; ``perturb(value, name=...)`` collects the cotangent arriving at a value.
-See ``docs/guide.md``.
+Importing this package also installs the NNX shims (``nnx_shims.install()``):
+``nnx.Module.sow``, ``nnx.Module.perturb`` and ``nnx.capture`` then run on
+``capture``; ``nnx_shims.uninstall()`` restores Flax's originals. See
+``docs/guide.md`` and ``docs/migration.md``.
 """
 
 from flax.nnx.sow import batching as _batching  # hoists sows under vmap
 from flax.nnx.sow import loops as _loops  # registers the loop rules
+from flax.nnx.sow import nnx_shims
 from flax.nnx.sow import rules as _rules  # registers the call-like rules
+from flax.nnx.sow import state
 from flax.nnx.sow.capture import Collected
 from flax.nnx.sow.capture import capture
 from flax.nnx.sow.capture import collect_rules
 from flax.nnx.sow.perturb import perturb
 from flax.nnx.sow.primitive import sow
 from flax.nnx.sow.primitive import sow_p
+from flax.nnx.sow.state import collected_to_state
+from flax.nnx.sow.state import state_to_collected
+
+nnx_shims.install()
 
 __all__ = [
     'Collected',
     'capture',
     'collect_rules',
+    'collected_to_state',
+    'nnx_shims',
     'perturb',
     'sow',
     'sow_p',
+    'state',
+    'state_to_collected',
 ]
 
 del _batching, _loops, _rules

@@ -610,7 +610,8 @@ def _capture_call(f, accepts_key, args, kwargs):
     it = iter(traced)
     full = [next(it) if a else x for x, a in zip(leaves, is_array)]
     a, kw = graph.merge(jax.tree_util.tree_unflatten(in_tree, full))
-    out = f(*a, **kw)
+    with graph.module_paths(accepts_key):
+      out = f(*a, **kw)
     out, updates = graph.outputs(out)
     out_leaves, out_tree = jax.tree_util.tree_flatten((out, updates))
     out_is_array = [_is_array(x) for x in out_leaves]

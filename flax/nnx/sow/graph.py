@@ -24,6 +24,7 @@ references between nodes are kept, since all nodes are split together.
 
 from __future__ import annotations
 
+import contextlib
 import typing as tp
 
 import jax
@@ -94,6 +95,15 @@ class GraphArgs:
     for i, node in zip(self._positions, nodes):
       leaves[i] = node
     return jax.tree_util.tree_unflatten(self._treedef, leaves)
+
+  def module_paths(self, tags: frozenset | None):
+    """Inside the trace: a context in which ``Module.sow`` (the NNX shim)
+    names each module by its path from the graph nodes ``f`` received."""
+    from flax.nnx.sow import nnx_shims  # pylint: disable=g-import-not-at-top
+
+    if not self._nodes:
+      return contextlib.nullcontext()
+    return nnx_shims.module_scope(self._inner, tags=tags)
 
   def outputs(self, out: tp.Any) -> tuple[tp.Any, tp.Any]:
     """Inside the trace: ``f``'s output and the nodes' state after ``f``."""

@@ -106,6 +106,16 @@ def _check_same(collected, manual):
                                err_msg=str(name))
 
 
+def _hlo_instructions(jitted, *args) -> int:
+  """Instructions in the optimised HLO of ``jitted`` at ``args``.
+
+  Equal counts on both sides of a runtime comparison mean that XLA compiled
+  the same program, so a ratio away from 1 is noise, not overhead.
+  """
+  text = jitted.lower(*args).compile().as_text()
+  return sum(1 for line in text.splitlines() if ' = ' in line)
+
+
 # --------------------------------------------------------------------------
 # core: capture vs the floor
 # --------------------------------------------------------------------------
@@ -124,9 +134,12 @@ def jit_runtime(cfg: Config) -> list[Result]:
   ta, tb = timing.interleaved(
       lambda: captured(state, x), lambda: manual(state, x),
       cfg.runtime_repeats, warmup=2)
+  hlo = dict(a=_hlo_instructions(captured, state, x),
+             b=_hlo_instructions(manual, state, x))
   return [timing.compare(
       'jit_runtime', 'jax.jit(capture(f))', 'jax.jit(f_manual)', ta, tb,
-      target=1.03, sizes=cfg.sizes.asdict())]
+      target=1.03, sizes=cfg.sizes.asdict(),
+      extra=dict(hlo_instructions=hlo))]
 
 
 @benchmark('first_call')
@@ -299,10 +312,13 @@ def perturb_grad(cfg: Config) -> list[Result]:
   ta, tb = timing.interleaved(
       lambda: captured(state, x), lambda: plain(state, x),
       cfg.runtime_repeats, warmup=2)
+  hlo = dict(a=_hlo_instructions(captured, state, x),
+             b=_hlo_instructions(plain, state, x))
   return [timing.compare(
       'perturb_grad', 'jax.jit(capture(jax.grad(loss)))',
       'jax.jit(jax.grad(loss))', ta, tb, target=1.10,
-      sizes=dict(cfg.sizes.asdict(), perturbs=cfg.sizes.layers))]
+      sizes=dict(cfg.sizes.asdict(), perturbs=cfg.sizes.layers),
+      extra=dict(hlo_instructions=hlo))]
 
 
 # --------------------------------------------------------------------------
@@ -500,8 +516,10 @@ def _note(r) -> str:
   if r['name'].startswith('reduce_memory'):
     return f'  {r["name"]}: {json.dumps(e)}'
   if 'ratio_of_minima' in e:
+    hlo = e.get('hlo_instructions')
+    hlo = f'; HLO instructions A {hlo["a"]}, B {hlo["b"]}' if hlo else ''
     return (f'  {r["name"]}: ratio of medians {e["ratio_of_medians"]:.3f}, '
-            f'of minima {e["ratio_of_minima"]:.3f}')
+            f'of minima {e["ratio_of_minima"]:.3f}{hlo}')
   return ''
 
 

@@ -597,11 +597,28 @@ def capture(
 
 
 def _capture_call(f, accepts_key, args, kwargs):
-  # NNX graph nodes (modules, optimizers, Rngs) among the arguments are
-  # split into their state, which is traced, and merged back inside, so the
-  # state updates ``f`` makes come back as outputs (as ``nnx.jit`` does).
-  graph = graph_lib.GraphArgs((args, kwargs))
-  leaves, in_tree = jax.tree_util.tree_flatten(graph.pytree)
+  if graph_lib.has_graph_nodes((args, kwargs)):
+    # NNX graph nodes (modules, optimizers, Rngs) among the arguments: their
+    # state is traced and the updates ``f`` makes reach the caller's objects,
+    # as with ``nnx.jit``.
+    return graph_lib.functional_graph_call(
+        lambda pure_f, a, kw: stage_and_collect(pure_f, accepts_key, a, kw),
+        f,
+        args,
+        kwargs,
+        tags=accepts_key,
+    )
+  return stage_and_collect(f, accepts_key, args, kwargs)
+
+
+def stage_and_collect(
+    f: tp.Callable[..., tp.Any],
+    accepts_key: frozenset | None,
+    args: tuple[tp.Any, ...],
+    kwargs: dict[str, tp.Any],
+) -> tuple[tp.Any, Collected]:
+  """``capture``'s work once graph nodes are split: stage, rewrite, evaluate."""
+  leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs))
   is_array = [_is_array(x) for x in leaves]
   arrays = [x for x, a in zip(leaves, is_array) if a]
   out_box = []
@@ -609,11 +626,9 @@ def _capture_call(f, accepts_key, args, kwargs):
   def flat_f(*traced):
     it = iter(traced)
     full = [next(it) if a else x for x, a in zip(leaves, is_array)]
-    a, kw = graph.merge(jax.tree_util.tree_unflatten(in_tree, full))
-    with graph.module_paths(accepts_key):
-      out = f(*a, **kw)
-    out, updates = graph.outputs(out)
-    out_leaves, out_tree = jax.tree_util.tree_flatten((out, updates))
+    a, kw = jax.tree_util.tree_unflatten(in_tree, full)
+    out = f(*a, **kw)
+    out_leaves, out_tree = jax.tree_util.tree_flatten(out)
     out_is_array = [_is_array(x) for x in out_leaves]
     out_box.append((out_tree, out_leaves, out_is_array))
     return [x for x, o in zip(out_leaves, out_is_array) if o]
@@ -626,11 +641,10 @@ def _capture_call(f, accepts_key, args, kwargs):
   out_tree, static_out, out_is_array = out_box[-1]
   collector = Collector(accepts_key)
   outs = iter(eval_collecting(closed.jaxpr, closed.consts, arrays, collector))
-  out_leaves = [next(outs) if o else x for x, o in zip(static_out,
-                                                        out_is_array)]
-  out, updates = jax.tree_util.tree_unflatten(out_tree, out_leaves)
-  graph.update(updates)
-  return out, collector.result()
+  out_leaves = [
+      next(outs) if o else x for x, o in zip(static_out, out_is_array)
+  ]
+  return jax.tree_util.tree_unflatten(out_tree, out_leaves), collector.result()
 
 
 def rewrite_program(

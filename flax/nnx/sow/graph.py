@@ -12,106 +12,159 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""NNX graph nodes among a capture's arguments.
+"""NNX graph nodes among the arguments of a capture.
 
-``capture(f)(model, x)`` traces ``f``; a Flax NNX graph node (a ``Module``,
-an optimizer, ``Rngs``) among the arguments is split into its state, which is
-traced like any array argument, and merged into a fresh node inside the
-trace. The state ``f`` leaves on that node is returned as an extra output and
-written back into the caller's node afterwards, as ``nnx.jit`` does. Shared
-references between nodes are kept, since all nodes are split together.
+``capture(f)(model, x)`` and the ``nnx.capture`` shim stage a call whose
+arguments hold Flax NNX graph nodes (Modules, Variables, ``Rngs``,
+optimizers). :func:`functional_graph_call` does around the staging what
+``nnx.jit`` does around ``jax.jit``: split the nodes into their state
+outside, merge them into fresh objects inside, and write the updates into the
+caller's objects afterwards, for plain, ref and Hijax Variables. Modules met inside sow under their path from the argument they
+belong to (``paths.py``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import typing as tp
 
 import jax
 from flax import nnx
-from flax.nnx import graphlib
+
+# Flax internals (adapt here for a new Flax release).
+from flax.nnx import graphlib as _graphlib
+
+from flax.nnx.sow.paths import ActiveScope
+from flax.nnx.sow.paths import Scope
+from flax.nnx.sow.paths import is_graph_leaf
 
 
-def is_graph_node(x: tp.Any) -> bool:
-  """A Flax NNX graph node (``Module``, ``Rngs``, optimizer) or Variable."""
-  return graphlib.is_node_module(x) or isinstance(x, nnx.Variable)
+def has_graph_nodes(tree: tp.Any) -> bool:
+  """Whether ``tree`` holds an NNX graph node or Variable."""
+  return any(
+      is_graph_leaf(x) for x in jax.tree.leaves(tree, is_leaf=is_graph_leaf)
+  )
+
+
+def _is_graph_node(x: tp.Any) -> bool:
+  return _graphlib.is_graph_node(x) and not isinstance(x, nnx.Variable)
+
+
+def _is_traced(path: tp.Any, variable: tp.Any) -> bool:
+  """Plain and ref Variables are traced; Hijax Variables pass as they are."""
+  del path
+  return not getattr(variable, 'hijax', False)
 
 
 def _is_plain(path: tp.Any, variable: tp.Any) -> bool:
+  """Plain Variables are written back; ref and Hijax ones mutate in place."""
   del path
   return not (
       getattr(variable, 'hijax', False) or getattr(variable, 'ref', False)
   )
 
 
-def _is_traced(path: tp.Any, variable: tp.Any) -> bool:
-  del path
-  return not getattr(variable, 'hijax', False)
+class _Slot(tp.NamedTuple):
+  """Stands for the ``index``-th graph node where it was in a pytree."""
+
+  index: int
 
 
-class _NodeSlot:
-  """Stands where a graph node was in the argument pytree."""
+class _NewNode(tp.NamedTuple):
+  """A graph node ``f`` made and returned, split to cross the staging."""
 
-  __slots__ = ()
-
-  def __repr__(self):
-    return '<graph node>'
+  graphdef: tp.Any
+  state: tp.Any
 
 
-_SLOT = _NodeSlot()
+def functional_graph_call(
+    stage: tp.Callable[[tp.Callable, tuple, dict], tuple[tp.Any, tp.Any]],
+    f: tp.Callable,
+    args: tuple,
+    kwargs: dict,
+    *,
+    tags: tp.Iterable[tp.Hashable] | None = None,
+    scope: Scope | None = None,
+) -> tuple[tp.Any, tp.Any]:
+  """Runs ``stage`` on a pure version of ``f`` whose graph nodes are split.
 
+  This is what ``nnx.jit`` does around ``jax.jit``, with ``stage`` in place
+  of ``jax.jit``. The graph nodes and Variables among ``args``/``kwargs`` are
+  split together (shared references are kept) into the state of their plain
+  and ref Variables, which ``stage`` traces, and their Hijax Variables,
+  which reach ``f`` as they are (JAX stages their updates on the caller's
+  objects). Inside, ``pure_f`` merges fresh nodes, calls ``f`` with module
+  paths known (``paths.py``), and returns the plain Variables' new state;
+  afterwards the caller's nodes are updated from it, unless nothing changed
+  (so a capture inside a ``jax.jit`` that closes over a model which does not
+  update its state works). Ref Variables are updated in place.
 
-class GraphArgs:
-  """The arguments of one capture call, with graph nodes split into state."""
+  Args:
+    stage: ``stage(pure_f, pure_args, pure_kwargs) -> (pure_out, extra)``;
+      must call ``pure_f(*pure_args, **pure_kwargs)`` once, traced or not,
+      and return its output with anything else (``collected``).
+    f: the user's function.
+    args: positional arguments of ``f``.
+    kwargs: keyword arguments of ``f``.
+    tags: the tags the enclosing capture accepts (``None``: all); they decide
+      what ``Module.sow`` returns inside ``f``.
+    scope: the path scope to use (the ``nnx.capture`` shim passes its own).
 
-  def __init__(self, tree: tp.Any):
-    leaves, self._treedef = jax.tree_util.tree_flatten(
-        tree, is_leaf=is_graph_node
-    )
-    self._leaves = leaves
-    self._positions = [i for i, x in enumerate(leaves) if is_graph_node(x)]
-    self._nodes = [leaves[i] for i in self._positions]
-    self._inner: list[tp.Any] | None = None
-    if not self._nodes:
-      self.pytree = tree
-      return
-    # Plain Variables are traced and written back; ref and Hijax Variables
-    # are mutable references, so they reach ``f`` as they are and their
-    # updates are staged into the program on the caller's objects.
-    self._graphdef, state, self._refs = nnx.split(
-        self._nodes, _is_traced, ...
-    )
-    rest = [_SLOT if is_graph_node(x) else x for x in leaves]
-    self.pytree = (rest, state)
+  Returns:
+    ``(out, extra)``: ``f``'s output, where a graph node that ``f`` received
+    and returned is the caller's object, and ``extra`` as ``stage`` returned
+    it.
+  """
+  if scope is None:
+    scope = Scope('functional', None if tags is None else frozenset(tags))
+  leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_graph_leaf)
+  positions = [i for i, x in enumerate(leaves) if is_graph_leaf(x)]
+  nodes = [leaves[i] for i in positions]
+  for node in nodes:
+    if _is_graph_node(node):
+      scope.add_root(node)
+  graphdef, traced, kept = nnx.split(nodes, _is_traced, ...)
+  before = jax.tree.leaves(nnx.state(nodes, _is_plain))
+  rest = list(leaves)
+  for k, i in enumerate(positions):
+    rest[i] = _Slot(k)
 
-  def merge(self, pytree: tp.Any) -> tp.Any:
-    """Inside the trace: the arguments with fresh nodes built from state."""
-    if not self._nodes:
-      return pytree
-    rest, state = pytree
-    nodes = nnx.merge(self._graphdef, state, self._refs)
-    self._inner = nodes
-    leaves = list(rest)
-    for i, node in zip(self._positions, nodes):
-      leaves[i] = node
-    return jax.tree_util.tree_unflatten(self._treedef, leaves)
+  def pure_f(rest, state):
+    inner = nnx.merge(graphdef, state, kept)
+    full = list(rest)
+    for i, node in zip(positions, inner):
+      full[i] = node
+    for node in inner:
+      if _is_graph_node(node):
+        scope.add_root(node)
+    inner_args, inner_kwargs = jax.tree.unflatten(treedef, full)
+    with ActiveScope(scope):
+      out = f(*inner_args, **inner_kwargs)
+    index = {id(node): k for k, node in enumerate(inner)}
 
-  def module_paths(self, tags: frozenset | None):
-    """Inside the trace: a context in which ``Module.sow`` (the NNX shim)
-    names each module by its path from the graph nodes ``f`` received."""
-    from flax.nnx.sow import nnx_shims  # pylint: disable=g-import-not-at-top
+    def cross(x):
+      if id(x) in index:
+        return _Slot(index[id(x)])
+      if is_graph_leaf(x):
+        return _NewNode(*nnx.split(x))
+      return x
 
-    if not self._nodes:
-      return contextlib.nullcontext()
-    return nnx_shims.module_scope(self._inner, tags=tags)
+    out = jax.tree.map(cross, out, is_leaf=is_graph_leaf)
+    return out, nnx.state(inner, _is_plain)
 
-  def outputs(self, out: tp.Any) -> tuple[tp.Any, tp.Any]:
-    """Inside the trace: ``f``'s output and the nodes' state after ``f``."""
-    if not self._nodes:
-      return out, None
-    return out, nnx.state(self._inner, _is_plain)
+  (out, updates), extra = stage(pure_f, (rest, traced), {})
+  after = jax.tree.leaves(updates)
+  if len(after) != len(before) or any(
+      a is not b for a, b in zip(after, before)
+  ):
+    nnx.update(nodes, updates)
+  def uncross(x):
+    if isinstance(x, _Slot):
+      return nodes[x.index]
+    if isinstance(x, _NewNode):
+      return nnx.merge(x.graphdef, x.state)
+    return x
 
-  def update(self, updates: tp.Any) -> None:
-    """After the call: writes the new state into the caller's nodes."""
-    if self._nodes:
-      nnx.update(self._nodes, updates)
+  out = jax.tree.map(
+      uncross, out, is_leaf=lambda x: isinstance(x, (_Slot, _NewNode))
+  )
+  return out, extra

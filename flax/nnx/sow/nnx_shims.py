@@ -23,16 +23,10 @@ core (``sow``, ``perturb``, ``capture``):
   Variable type; ``Module.perturb`` becomes a ``perturb`` the same way.
 * ``nnx.capture(fn, *var_types, init=None, method_outputs=None)`` stages
   ``fn`` with ``capture`` and returns Flax's ``(result, State)``.
-* :func:`functional_graph_call` runs a staged call with NNX graph nodes among
-  its arguments the way ``nnx.jit`` does (split outside, merge inside, split
-  the updates, merge them back into the caller's objects).
 
-A module learns its path from the innermost active capture (a thread-local
-stack of scopes, always restored in ``finally``): objects of the captured
-root are known by identity, copies made by NNX transforms are mapped back to
-the caller's objects through Flax's update contexts, and a copy NNX made
-without one (tree mode, ``graph_updates=False``, a user's ``nnx.merge``) is
-recognised by its graph structure. No attribute is set on any module.
+A module learns its path from the innermost active capture (``paths.py``);
+graph nodes among the arguments are handled as ``nnx.jit`` does
+(``graph.py``). No attribute is set on any module.
 
 :func:`install` patches Flax (``Module.sow``, ``Module.perturb``,
 ``nnx.capture``); :func:`uninstall` restores the originals. Both are
@@ -43,10 +37,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import inspect
 import operator
-import sys
 import threading
 import typing as tp
 import warnings
@@ -57,12 +49,19 @@ import numpy as np
 from flax import nnx
 
 # Flax internals used by the shims (adapt here for a new Flax release).
-from flax.nnx import extract as _extract
 from flax.nnx import graphlib as _graphlib
 from flax.nnx import module as _module_lib
 from flax.nnx import variablelib as _variablelib
 
 from flax.nnx.sow import state as state_lib
+from flax.nnx.sow.capture import stage_and_collect
+from flax.nnx.sow.graph import functional_graph_call
+from flax.nnx.sow.paths import LOCAL
+from flax.nnx.sow.paths import Path
+from flax.nnx.sow.paths import Scope
+from flax.nnx.sow.paths import locate
+from flax.nnx.sow.perturb import perturb as _core_perturb
+from flax.nnx.sow.primitive import sow as _core_sow
 
 __all__ = [
     'install',
@@ -71,45 +70,13 @@ __all__ = [
     'capture',
     'module_sow',
     'module_perturb',
-    'functional_graph_call',
-    'module_scope',
 ]
-
-Name = tp.Union[str, tuple[tp.Union[str, int], ...]]
-Path = tuple[tp.Union[str, int], ...]
 
 _TUPLE_REDUCE = _module_lib.tuple_reduce
 _TUPLE_INIT = _module_lib.tuple_init
 _ORIGINAL_CAPTURE = _module_lib.capture
 _ORIGINAL_SOW = _module_lib.Module.sow
 _ORIGINAL_PERTURB = _module_lib.Module.perturb
-
-
-# --------------------------------------------------------------------------
-# The functional core, looked up lazily (this file is imported by the
-# package's __init__, before or after the core's modules).
-# --------------------------------------------------------------------------
-
-
-def _core_sow():
-  return importlib.import_module('flax.nnx.sow.primitive').sow
-
-
-def _core_perturb():
-  try:
-    return importlib.import_module('flax.nnx.sow.perturb').perturb
-  except (ImportError, AttributeError):
-    return None
-
-
-def _core_capture():
-  return importlib.import_module('flax.nnx.sow.capture').capture
-
-
-# Part of the jit cache key: a jitted function traced inside a capture emits
-# sows named by that capture's paths, and outside any capture Module.sow has
-# its legacy behaviour, so the two must not share a cache entry.
-_TRACE_KEY = jax.make_user_context(None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,205 +93,6 @@ class PerturbationInit:
 
 def _zeros_name(full: Path) -> Path:
   return ('__perturbation_init__', *full)
-
-
-def _is_graph_leaf(x) -> bool:
-  return _graphlib.is_graph_node(x) or isinstance(x, nnx.Variable)
-
-
-# --------------------------------------------------------------------------
-# Scopes: one per active capture, on a thread-local stack.
-# --------------------------------------------------------------------------
-
-
-class _Local(threading.local):
-
-  def __init__(self):
-    self.scopes: list[_Scope] = []
-    self.resolving = False
-
-
-_LOCAL = _Local()
-
-
-class _Scope:
-  """What one active capture knows: its roots, tags, records and init."""
-
-  def __init__(
-      self,
-      kind: str,
-      types: frozenset | None,
-      method_outputs: type | None = None,
-      init_keys: tuple = (),
-  ):
-    self.kind = kind  # 'nnx' (the nnx.capture shim) or 'functional'
-    self.types = types  # accepted tags; None accepts every tag
-    self.method_outputs = method_outputs
-    self.init_keys = init_keys  # ((full name, Variable type), ...)
-    self.init: dict[Path, tuple[type, tp.Any]] = {}
-    self.nodes: dict[int, tuple[tp.Any, Path]] = {}
-    self.structure: list = []
-    self.records: dict[Path, tuple[str, type]] = {}
-    self._by_graphdef: list | None = None
-
-  def accepts(self, tag) -> bool:
-    return self.types is None or tag in self.types
-
-  def add_root(self, node, prefix: Path = ()) -> None:
-    first = not self.nodes
-    for path, obj in nnx.iter_graph(node, graph=True):
-      if _graphlib.is_graph_node(obj) and not isinstance(obj, nnx.Variable):
-        if id(obj) not in self.nodes:
-          self.nodes[id(obj)] = (obj, (*prefix, *path))
-          if first:
-            self.structure.append(((*prefix, *path), type(obj)))
-    self._by_graphdef = None
-
-  def fingerprint(self):
-    return (
-        self.kind,
-        self.types,
-        self.method_outputs,
-        self.init_keys,
-        tuple(self.structure),
-    )
-
-  def record(self, full: Path, kind: str, variable_type: type) -> None:
-    seen = self.records.get(full)
-    if seen is None:
-      self.records[full] = (kind, variable_type)
-    elif seen != (kind, variable_type):
-      raise ValueError(
-          f'nnx.capture: {full!r} is sown as {seen[1].__name__} ({seen[0]})'
-          f' and as {variable_type.__name__} ({kind}) in one capture; give'
-          ' each its own name.'
-      )
-
-  # Path resolution ---------------------------------------------------------
-
-  def resolve(self, obj) -> Path | None:
-    hit = self.nodes.get(id(obj))
-    if hit is not None and hit[0] is obj:
-      return hit[1]
-    node = obj
-    for _ in range(64):
-      node = _outer_object(node)
-      if node is None:
-        break
-      hit = self.nodes.get(id(node))
-      if hit is not None and hit[0] is node:
-        self._learn(obj, hit[1])
-        return hit[1]
-    return self._resolve_by_structure(obj)
-
-  def _learn(self, obj, path: Path) -> None:
-    for rel, child in nnx.iter_graph(obj, graph=True):
-      if _graphlib.is_graph_node(child) and not isinstance(
-          child, nnx.Variable
-      ):
-        self.nodes.setdefault(id(child), (child, (*path, *rel)))
-
-  def _unique_structural_match(self, obj) -> Path | None:
-    if self._by_graphdef is None:
-      self._by_graphdef = [
-          (nnx.graphdef(o), p)
-          for o, p in list(self.nodes.values())
-          if isinstance(o, nnx.Module)
-      ]
-    graphdef = nnx.graphdef(obj)
-    paths = {p for g, p in self._by_graphdef if g == graphdef}
-    return paths.pop() if len(paths) == 1 else None
-
-  def _resolve_by_structure(self, obj) -> Path | None:
-    # A copy made without an update context (tree mode, graph_updates=False,
-    # nnx.merge): match its graph structure against the known modules, or
-    # find it under a module further up the Python call stack that matches.
-    if _LOCAL.resolving or not isinstance(obj, nnx.Module):
-      return None
-    _LOCAL.resolving = True
-    try:
-      path = self._unique_structural_match(obj)
-      if path is not None:
-        self._learn(obj, path)
-        return path
-      frame = sys._getframe(3)  # pylint: disable=protected-access
-      for _ in range(48):
-        if frame is None:
-          break
-        caller = frame.f_locals.get('self')
-        frame = frame.f_back
-        if caller is obj or not isinstance(caller, nnx.Module):
-          continue
-        base = self.nodes.get(id(caller))
-        base = base[1] if base is not None and base[0] is caller else None
-        if base is None:
-          base = self._unique_structural_match(caller)
-        if base is None:
-          continue
-        for rel, child in nnx.iter_graph(caller, graph=True):
-          if child is obj:
-            self._learn(caller, base)
-            return (*base, *rel)
-      return None
-    finally:
-      _LOCAL.resolving = False
-
-
-def _outer_object(obj):
-  """The caller's object that an NNX transform merged into ``obj``, or None."""
-  stacks = _graphlib.GRAPH_CONTEXT.update_context_stacks
-  for stack in list(stacks.values()):
-    for ctx in reversed(stack):
-      inner = getattr(ctx, 'inner_ref_outer_index', None)
-      outer = getattr(ctx, 'outer_index_outer_ref', None)
-      if inner is None or outer is None or obj not in inner:
-        continue
-      return outer.get(inner[obj])
-  return None
-
-
-class _Active:
-  """Pushes a scope for the duration of a call, and keys jit caches on it."""
-
-  def __init__(self, scope: _Scope):
-    self.scope = scope
-
-  def __enter__(self):
-    scopes = _LOCAL.scopes
-    scopes.append(self.scope)
-    self._key = _TRACE_KEY(tuple(s.fingerprint() for s in scopes))
-    try:
-      self._key.__enter__()
-    except BaseException:
-      scopes.pop()
-      raise
-
-  def __exit__(self, *exc):
-    try:
-      self._key.__exit__(*exc)
-    finally:
-      popped = _LOCAL.scopes.pop()
-      assert popped is self.scope
-
-
-def _locate(obj, tag) -> tuple[_Scope, Path, bool] | None:
-  """The scope a module's sow is named in: innermost accepting, else innermost.
-
-  Returns ``(scope, path, accepted)`` or ``None`` when no active capture
-  knows ``obj``.
-  """
-  scopes = _LOCAL.scopes
-  for scope in reversed(scopes):
-    if scope.accepts(tag):
-      path = scope.resolve(obj)
-      if path is not None:
-        return scope, path, True
-  for scope in reversed(scopes):
-    if not scope.accepts(tag):
-      path = scope.resolve(obj)
-      if path is not None:
-        return scope, path, False
-  return None
 
 
 # --------------------------------------------------------------------------
@@ -499,14 +267,14 @@ def module_sow(
     outside any capture, as Flax's original returns).
   """
   variable_type = _variable_type(variable_type, 'Module.sow')
-  located = _locate(self, variable_type)
+  located = locate(self, variable_type)
   if located is None:
     return _legacy_sow(self, variable_type, name, value, reduce_fn, init_fn)
   scope, path, accepted = located
   full = (*path, name)
   state_lib.name_to_path(full)
   scope.record(full, 'sow', variable_type)
-  sow = _core_sow()
+  sow = _core_sow
   if reduce_fn is _TUPLE_REDUCE and init_fn is _TUPLE_INIT:
     sow(value, name=full, tag=variable_type)
   else:
@@ -535,12 +303,12 @@ def module_perturb(self, name: str, value, variable_type=nnx.Perturbation):
   attribute holding the perturbation, with a ``DeprecationWarning``).
   """
   variable_type = _variable_type(variable_type, 'Module.perturb')
-  located = _locate(self, variable_type)
+  located = locate(self, variable_type)
   if located is None:
     return _legacy_perturb(self, name, value, variable_type)
   scope, path, accepted = located
   full = (*path, name)
-  sow = _core_sow()
+  sow = _core_sow
   init = scope.init.get(full)
   if init is not None and init[0] is variable_type:
     if accepted:
@@ -556,10 +324,7 @@ def module_perturb(self, name: str, value, variable_type=nnx.Perturbation):
         name=_zeros_name(full),
         tag=PerturbationInit(variable_type),
     )
-  perturb = _core_perturb()
-  if perturb is None:
-    return value
-  return perturb(value, name=full, tag=variable_type)
+  return _core_perturb(value, name=full, tag=variable_type)
 
 
 # --------------------------------------------------------------------------
@@ -575,7 +340,7 @@ def _method_output_wrapper(method_name: str, method):
   @functools.wraps(method)
   def wrapper(self, *args, **kwargs):
     result = method(self, *args, **kwargs)
-    for scope in reversed(_LOCAL.scopes):
+    for scope in reversed(LOCAL.scopes):
       if scope.method_outputs is None:
         continue
       path = scope.resolve(self)
@@ -584,7 +349,7 @@ def _method_output_wrapper(method_name: str, method):
       if _is_array_tree(result):
         full = (*path, method_name)
         scope.record(full, 'method', scope.method_outputs)
-        _core_sow()(result, name=full, tag=scope.method_outputs)
+        _core_sow(result, name=full, tag=scope.method_outputs)
       break
     return result
 
@@ -625,139 +390,6 @@ def _unwrap_methods(classes) -> None:
         del _WRAPPED[cls]
       else:
         _WRAPPED[cls] = (count - 1, originals)
-
-
-# --------------------------------------------------------------------------
-# Graph nodes among the arguments of a staged call.
-# --------------------------------------------------------------------------
-
-
-class _CallTag:
-  """A fresh update-context tag per call (compared by identity)."""
-
-
-def functional_graph_call(
-    stage: tp.Callable[[tp.Callable, tuple, dict], tuple[tp.Any, tp.Any]],
-    f: tp.Callable,
-    args: tuple,
-    kwargs: dict,
-    *,
-    tags: tp.Iterable[tp.Hashable] | None = None,
-    scope: _Scope | None = None,
-):
-  """Runs ``stage`` on a pure version of ``f`` whose graph nodes are split.
-
-  This is what ``nnx.jit`` does around ``jax.jit``, with ``stage`` in place
-  of ``jax.jit``: the NNX graph nodes (Modules, Variables, Rngs, optimizers)
-  among ``args``/``kwargs`` are split into pytrees of arrays plus static
-  graph definitions; ``stage`` traces ``pure_f``, which merges them into
-  fresh objects, calls ``f``, and splits its arguments and output again; the
-  caller's objects are then updated from what ``pure_f`` returned (BatchNorm
-  statistics, RNG counts, new attributes), and graph nodes in the output
-  are the caller's objects. Modules met inside ``f`` (also copies made by
-  NNX transforms) sow under their path from the graph-node argument they
-  belong to, so ``Module.sow`` works in a functional capture too.
-
-  Args:
-    stage: ``stage(pure_f, pure_args, pure_kwargs) -> (pure_out, extra)``;
-      called once. ``pure_args``/``pure_kwargs`` contain no graph nodes (only
-      array leaves, Python leaves, and NNX's static graph definitions);
-      ``stage`` must call ``pure_f`` on them, traced or not, and return its
-      output (a pytree of arrays and static nodes) with anything else
-      (``collected``).
-    f: the user's function.
-    args: positional arguments of ``f``.
-    kwargs: keyword arguments of ``f``.
-    tags: the tags the enclosing capture accepts (``None``: all); decides
-      what ``Module.sow`` returns inside ``f``.
-    scope: used by the ``nnx.capture`` shim; leave ``None``.
-
-  Returns:
-    ``(out, extra)``: ``f``'s output with the caller's objects in place of
-    the graph nodes it returns, and ``extra`` as ``stage`` returned it.
-  """
-  if scope is None:
-    scope = _Scope('functional', None if tags is None else frozenset(tags))
-  for leaf in jax.tree.leaves((args, kwargs), is_leaf=_is_graph_leaf):
-    if _graphlib.is_graph_node(leaf) and not isinstance(leaf, nnx.Variable):
-      scope.add_root(leaf)
-  ctxtag = _CallTag()
-
-  def pure_f(*leaves):
-    inner_args, inner_kwargs = _extract.from_tree(
-        jax.tree.unflatten(in_tree, leaves), ctxtag=ctxtag, is_inner=True
-    )
-    for leaf in jax.tree.leaves(
-        (inner_args, inner_kwargs), is_leaf=_is_graph_leaf
-    ):
-      if _graphlib.is_graph_node(leaf) and not isinstance(
-          leaf, nnx.Variable
-      ):
-        scope.add_root(leaf)
-    with _Active(scope):
-      out = f(*inner_args, **inner_kwargs)
-    args_out, kwargs_out = _extract.clear_non_graph_nodes(
-        (inner_args, inner_kwargs)
-    )
-    return _extract.to_tree((args_out, kwargs_out, out), ctxtag=ctxtag)
-
-  with _graphlib.update_context(ctxtag):
-    pure = _extract.to_tree((args, kwargs), ctxtag=ctxtag)
-    # Variables are flattened too: what reaches ``stage`` is arrays, Python
-    # leaves, and Hijax Variables (which JAX tracks through its own rules).
-    leaves, in_tree = jax.tree.flatten(pure)
-    pure_out, extra = stage(pure_f, tuple(leaves), {})
-    if _unchanged(pure, pure_out):
-      # Nothing to write back: skip the merge, which would otherwise touch
-      # every Variable (an error for a plain Variable when this capture runs
-      # inside a jax.jit that closes over the module).
-      out = pure_out[2]
-    else:
-      _, _, out = _extract.from_tree(pure_out, ctxtag=ctxtag, is_inner=False)
-  return out, extra
-
-
-def _node_states(tree) -> list:
-  is_states = lambda x: isinstance(x, _extract.NodeStates)
-  return [
-      x for x in jax.tree.leaves(tree, is_leaf=is_states) if is_states(x)
-  ]
-
-
-def _unchanged(pure_in, pure_out) -> bool:
-  """Whether the call left every graph node as it was (same arrays, graph)."""
-  args_out, kwargs_out, out = pure_out
-  if _node_states(out):
-    return False
-  before = _node_states(pure_in)
-  after = _node_states((args_out, kwargs_out))
-  if len(before) != len(after):
-    return False
-  for old, new in zip(before, after):
-    if old.graphdef.with_no_outer_index() != new.graphdef.with_no_outer_index():
-      return False
-    old_leaves = jax.tree.leaves(old.states)
-    new_leaves = jax.tree.leaves(new.states)
-    if len(old_leaves) != len(new_leaves) or any(
-        a is not b for a, b in zip(old_leaves, new_leaves)
-    ):
-      return False
-  return True
-
-
-def module_scope(nodes, tags=None) -> _Active:
-  """A context in which ``Module.sow`` names modules by path from ``nodes``.
-
-  For the functional ``capture`` when it merges graph nodes itself: enter it
-  around the call of ``f`` with the merged (inner) graph nodes, each a root
-  whose modules sow under ``(*path, name)``; ``tags`` are the capture's tags
-  (``None``: all), which decide what ``Module.sow`` returns.
-  """
-  scope = _Scope('functional', None if tags is None else frozenset(tags))
-  for node in nodes:
-    if _graphlib.is_graph_node(node) and not isinstance(node, nnx.Variable):
-      scope.add_root(node)
-  return _Active(scope)
 
 
 # --------------------------------------------------------------------------
@@ -816,7 +448,7 @@ def _sum_entries(entries):
     return entries
 
 
-def _build_state(scope: _Scope, collected, variable_type):
+def _build_state(scope: Scope, collected, variable_type):
   flat: dict[Path, tp.Any] = {}
   for full, (kind, vt) in scope.records.items():
     if vt is not variable_type:
@@ -910,6 +542,7 @@ def capture(
   tags.update(PerturbationInit(vt) for vt in var_types)
   if method_outputs is not None:
     tags.add(method_outputs)
+  accepts_key = frozenset(tags)
 
   def wrapper(*args, **kwargs):
     if module_instance is None:
@@ -923,7 +556,7 @@ def capture(
     else:
       module = module_instance
     keys = tuple(init_entries)
-    scope = _Scope(
+    scope = Scope(
         'nnx',
         frozenset(var_types) | {method_outputs} - {None}
         if method_outputs is not None
@@ -940,7 +573,7 @@ def capture(
       return invoke(m, *a, **k)
 
     def stage(pure_f, pure_args, pure_kwargs):
-      return _core_capture()(pure_f, tags=tags)(*pure_args, **pure_kwargs)
+      return stage_and_collect(pure_f, accepts_key, pure_args, pure_kwargs)
 
     classes = ()
     if method_outputs is not None:

@@ -142,6 +142,25 @@ def jit_runtime(cfg: Config) -> list[Result]:
       extra=dict(hlo_instructions=hlo))]
 
 
+def _staged_compile(make_jitted, stages, *args):
+  """Traces, lowers and compiles ``make_jitted()`` at ``args``.
+
+  Appends the seconds of each stage to ``stages`` (a dict of lists).
+  """
+  jitted = make_jitted()
+  t0 = time.perf_counter()
+  traced = jitted.trace(*args)
+  t1 = time.perf_counter()
+  lowered = traced.lower()
+  t2 = time.perf_counter()
+  compiled = lowered.compile()
+  t3 = time.perf_counter()
+  for stage, dt in zip(('trace', 'lower', 'compile'), (t1 - t0, t2 - t1,
+                                                       t3 - t2)):
+    stages.setdefault(stage, []).append(dt)
+  return compiled
+
+
 @benchmark('first_call')
 def first_call(cfg: Config) -> list[Result]:
   results = []
@@ -149,25 +168,25 @@ def first_call(cfg: Config) -> list[Result]:
     sizes = cfg.sizes.replace(layers=layers)
     graphdef, state = wl.abstract_state(sizes)
     x = wl.abstract_input(sizes)
-
-    def compile_captured():
-      # Fresh functions every time, so that no cache keyed on them helps.
-      fns = wl.pure_functions(graphdef)
-      return jax.jit(capture(fns['f'])).lower(state, x).compile()
-
-    def compile_manual():
-      fns = wl.pure_functions(graphdef)
-      return jax.jit(fns['f_manual']).lower(state, x).compile()
-
+    # Fresh functions every time, so that no cache keyed on them helps.
+    captured = lambda: jax.jit(capture(wl.pure_functions(graphdef)['f']))
+    manual = lambda: jax.jit(wl.pure_functions(graphdef)['f_manual'])
+    stages_a, stages_b = {}, {}
     ta, tb = timing.interleaved(
-        compile_captured, compile_manual, cfg.compile_repeats,
-        warmup=cfg.compile_warmup,
+        lambda: _staged_compile(captured, stages_a, state, x),
+        lambda: _staged_compile(manual, stages_b, state, x),
+        cfg.compile_repeats, warmup=cfg.compile_warmup,
         before=jax.clear_caches)
+    n = cfg.compile_repeats
+    stages = {
+        stage: dict(a=statistics.median(stages_a[stage][-n:]),
+                    b=statistics.median(stages_b[stage][-n:]))
+        for stage in stages_a}
     results.append(timing.compare(
         f'first_call[{layers}]',
         'jax.jit(capture(f)) trace+lower+compile',
         'jax.jit(f_manual) trace+lower+compile', ta, tb, target=1.10,
-        sizes=sizes.asdict()))
+        sizes=sizes.asdict(), extra=dict(stage_medians=stages)))
   return results
 
 
@@ -244,26 +263,29 @@ def rewrite_scaling(cfg: Config) -> list[Result]:
       fn = lambda *a: jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *a)
       return jax.make_jaxpr(capture(fn))(*closed.in_avals)
 
-  def ratio(samples):
+  def row(name, samples, target, **extra):
     a, b = (statistics.median(samples[n]) for n in (large, small))
-    return a, b, a / b
+    return Result(
+        name=name, a=f'rewrite s/eqn at {large} layers',
+        b=f'rewrite s/eqn at {small} layers', a_median=a, b_median=b,
+        unit='s/eqn', ratio=a / b, ratio_kind='ratio of medians',
+        target=target, sizes=dict(cfg.sizes.asdict(), layers=[small, large]),
+        repeats=len(samples[small]),
+        extra=dict(extra, method=method, eqns={
+            small: jaxprs[small][1], large: jaxprs[large][1]}))
 
-  a, b, r = ratio(_per_eqn_samples(rewrite, jaxprs, cfg.trace_repeats))
+  no_gc = _per_eqn_samples(rewrite, jaxprs, cfg.trace_repeats,
+                           gc_enabled=False)
   extra_repeats = max(1, cfg.trace_repeats // 2)
-  *_, r_nogc = ratio(_per_eqn_samples(rewrite, jaxprs, extra_repeats,
-                                      gc_enabled=False))
-  *_, r_jax = ratio(_per_eqn_samples(_restage, jaxprs, extra_repeats))
-  return [Result(
-      name='rewrite_scaling',
-      a=f'rewrite s/eqn at {large} layers', b=f'rewrite s/eqn at {small} '
-      'layers', a_median=a, b_median=b, unit='s/eqn', ratio=r,
-      ratio_kind='ratio of medians', target=1.5,
-      sizes=dict(cfg.sizes.asdict(), layers=[small, large]),
-      repeats=cfg.trace_repeats,
-      extra=dict(
-          method=method,
-          eqns={small: jaxprs[small][1], large: jaxprs[large][1]},
-          ratio_gc_disabled=r_nogc, ratio_jax_restage=r_jax))]
+  with_gc = _per_eqn_samples(rewrite, jaxprs, extra_repeats)
+  jax_gc = _per_eqn_samples(_restage, jaxprs, extra_repeats)
+  jax_ratio = (statistics.median(jax_gc[large])
+               / statistics.median(jax_gc[small]))
+  return [
+      row('rewrite_scaling', no_gc, 1.5, gc='disabled while timed'),
+      row('rewrite_scaling[gc]', with_gc, None, gc='enabled',
+          ratio_jax_restage=jax_ratio),
+  ]
 
 
 @benchmark('eager_jitted')
@@ -509,10 +531,17 @@ def table(rows: list[dict[str, tp.Any]]) -> str:
 def _note(r) -> str:
   """One line of figures from ``extra`` that explain a row, or ''."""
   e = r['extra']
-  if r['name'] == 'rewrite_scaling':
-    return (f'  {r["name"]}: {e["method"]}; equations {e["eqns"]}; ratio '
-            f'with gc disabled {e["ratio_gc_disabled"]:.3f}; JAX\'s own '
-            f're-staging (eval_jaxpr) {e["ratio_jax_restage"]:.3f}')
+  if r['name'].startswith('rewrite_scaling'):
+    jax_ratio = e.get('ratio_jax_restage')
+    jax_ratio = ('' if jax_ratio is None else f'; JAX\'s own re-staging '
+                 f'(eval_jaxpr) of the same jaxprs: {jax_ratio:.3f}')
+    return (f'  {r["name"]}: {e["method"]}, gc {e["gc"]}; equations '
+            f'{e["eqns"]}{jax_ratio}')
+  if 'stage_medians' in e:
+    stages = ', '.join(f'{k} {v["a"]:.3f}/{v["b"]:.3f} s'
+                       for k, v in e['stage_medians'].items())
+    return (f'  {r["name"]}: ratio of medians {e["ratio_of_medians"]:.3f}, '
+            f'of minima {e["ratio_of_minima"]:.3f}; A/B by stage: {stages}')
   if r['name'].startswith('reduce_memory'):
     return f'  {r["name"]}: {json.dumps(e)}'
   if 'ratio_of_minima' in e:

@@ -34,6 +34,7 @@ import functools
 import gc
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -106,14 +107,29 @@ def _check_same(collected, manual):
                                err_msg=str(name))
 
 
-def _hlo_instructions(jitted, *args) -> int:
-  """Instructions in the optimised HLO of ``jitted`` at ``args``.
+def _hlo_ops(jitted, *args) -> list[str]:
+  """``'shape opcode'`` of every instruction in ``jitted``'s optimised HLO.
 
-  Equal counts on both sides of a runtime comparison mean that XLA compiled
-  the same program, so a ratio away from 1 is noise, not overhead.
+  Sorted, so that two programs that differ only in names and order compare
+  equal.
   """
   text = jitted.lower(*args).compile().as_text()
-  return sum(1 for line in text.splitlines() if ' = ' in line)
+  return sorted(m.group(1) for m in re.finditer(
+      r'^\s*(?:ROOT )?%\S+ = (.+?\S)\(', text, re.MULTILINE))
+
+
+def _hlo_comparison(a, b, *args) -> dict[str, tp.Any]:
+  """Instruction counts of two jitted functions and whether they match.
+
+  ``same_ops`` (the same multiset of shapes and opcodes, tuples aside) means
+  XLA compiled the same computation on both sides, so a runtime ratio away
+  from 1 is noise, not overhead.
+  """
+  ops_a, ops_b = _hlo_ops(a, *args), _hlo_ops(b, *args)
+  # The output tuple differs whenever A returns more values than B.
+  compute = lambda ops: [op for op in ops if not op.endswith(' tuple')]
+  return dict(a=len(ops_a), b=len(ops_b),
+              same_ops=compute(ops_a) == compute(ops_b))
 
 
 # --------------------------------------------------------------------------
@@ -134,8 +150,7 @@ def jit_runtime(cfg: Config) -> list[Result]:
   ta, tb = timing.interleaved(
       lambda: captured(state, x), lambda: manual(state, x),
       cfg.runtime_repeats, warmup=2)
-  hlo = dict(a=_hlo_instructions(captured, state, x),
-             b=_hlo_instructions(manual, state, x))
+  hlo = _hlo_comparison(captured, manual, state, x)
   return [timing.compare(
       'jit_runtime', 'jax.jit(capture(f))', 'jax.jit(f_manual)', ta, tb,
       target=1.03, sizes=cfg.sizes.asdict(),
@@ -334,13 +349,45 @@ def perturb_grad(cfg: Config) -> list[Result]:
   ta, tb = timing.interleaved(
       lambda: captured(state, x), lambda: plain(state, x),
       cfg.runtime_repeats, warmup=2)
-  hlo = dict(a=_hlo_instructions(captured, state, x),
-             b=_hlo_instructions(plain, state, x))
+  hlo = _hlo_comparison(captured, plain, state, x)
   return [timing.compare(
       'perturb_grad', 'jax.jit(capture(jax.grad(loss)))',
       'jax.jit(jax.grad(loss))', ta, tb, target=1.10,
       sizes=dict(cfg.sizes.asdict(), perturbs=cfg.sizes.layers),
       extra=dict(hlo_instructions=hlo))]
+
+
+@benchmark('sow_dispatch')
+def sow_dispatch(cfg: Config) -> list[Result]:
+  """Per-call cost of a jitted function with sows when nothing captures them.
+
+  Tiny sizes in both modes, so that dispatch, not compute, dominates: the
+  compiled programs are the same, so any ratio above 1 is dispatch overhead.
+  """
+  sizes = wl.QUICK
+  graphdef, state = wl.concrete_state(sizes)
+  x = wl.example_input(sizes)
+  fns = wl.pure_functions(graphdef)
+  with_sows, plain = jax.jit(fns['f']), jax.jit(fns['f_plain'])
+  calls = 20 if cfg.quick else 200
+
+  def many(fn):
+    def run_calls():
+      for _ in range(calls):
+        out = fn(state, x)
+      return out
+    return run_calls
+
+  ta, tb = timing.interleaved(many(with_sows), many(plain),
+                              cfg.runtime_repeats, warmup=1)
+  ta, tb = [t / calls for t in ta], [t / calls for t in tb]
+  effects = str(jax.make_jaxpr(fns['f'])(state, x).effects)
+  return [timing.compare(
+      'sow_dispatch', 'jax.jit(f) with sows, no capture, per call',
+      'jax.jit(f_plain) without sows, per call', ta, tb, target=None,
+      sizes=dict(sizes.asdict(), calls_per_sample=calls),
+      extra=dict(jaxpr_effects=effects,
+                 hlo=_hlo_comparison(with_sows, plain, state, x)))]
 
 
 # --------------------------------------------------------------------------
@@ -545,8 +592,9 @@ def _note(r) -> str:
   if r['name'].startswith('reduce_memory'):
     return f'  {r["name"]}: {json.dumps(e)}'
   if 'ratio_of_minima' in e:
-    hlo = e.get('hlo_instructions')
-    hlo = f'; HLO instructions A {hlo["a"]}, B {hlo["b"]}' if hlo else ''
+    hlo = e.get('hlo_instructions') or e.get('hlo')
+    hlo = (f'; HLO instructions A {hlo["a"]}, B {hlo["b"]}, same ops: '
+           f'{hlo["same_ops"]}' if hlo else '')
     return (f'  {r["name"]}: ratio of medians {e["ratio_of_medians"]:.3f}, '
             f'of minima {e["ratio_of_minima"]:.3f}{hlo}')
   return ''

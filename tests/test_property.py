@@ -72,8 +72,7 @@ PLAIN_NAMES = ('a', ('blk', 0, 'h'), 'c')
 
 
 # Reduced names have fixed reductions (one function object per name, as
-# capture requires). Each works on a value of any shape, so a sow under
-# ``jax.vmap`` (whose value has the batch axis first) reduces the same way.
+# capture requires). Each works on a value of any shape.
 def _sum_reduce(acc, v):
   return acc + jnp.sum(v)
 
@@ -114,17 +113,15 @@ def _init_accs():
 def _combine_vmapped(accs, deltas):
   """Folds per-example accumulators from a ``vmap`` body into ``accs``.
 
-  Inside ``jax.vmap`` a reduced sow runs once on the batched value. The
-  explicit program reduces each example's values from the identity (the
-  ``deltas``, with a leading batch axis) and combines them afterwards:
-  sum and max over all examples, and the count of one example (control flow
-  inside the vmap does not depend on the batch, so every example counts the
-  same executions).
+  Inside ``jax.vmap`` a capture reduces a sown value once per example, as
+  if the body had run once per example. The explicit program reduces each
+  example's values from the identity (the ``deltas``, with a leading batch
+  axis) and combines them afterwards: sum, max and count over all examples.
   """
   return {
       'sum': accs['sum'] + jnp.sum(deltas['sum']),
       'max': jnp.maximum(accs['max'], jnp.max(deltas['max'])),
-      'count': accs['count'] + deltas['count'][0],
+      'count': accs['count'] + jnp.sum(deltas['count']),
   }
 
 
@@ -390,20 +387,33 @@ def _node_explicit(node, x, p, accs):
   raise AssertionError(node)
 
 
-def _names_in_order(body, out=None):
-  """Every sown name, in order of first appearance in the program."""
+def _names_in_order(body, out=None, in_vmap=False):
+  """Every sown name, in order of first appearance in the program.
+
+  A ``cond`` lists its branches' names branch by branch. One exception, by
+  design: ``jax.vmap`` hoists the plain sows of a batched
+  ``scan`` out of it (so they come back batch axis first), which places
+  them after the scan; reduced sows stay inside. So for a scan under vmap
+  the reduced names it sows come before its plain names.
+  """
   out = {} if out is None else out
   for node in body:
     kind = node[0]
     if kind in ('sow', 'red'):
       out.setdefault(node[1], None)
-    elif kind in ('jit', 'remat', 'cjvp', 'scan', 'vmap'):
-      _names_in_order(node[1], out)
-    elif kind == 'cond':
-      for b in node[1]:
-        _names_in_order(b, out)
-      for name, _ in node[2]:
+    elif kind == 'scan' and in_vmap:
+      inner = _names_in_order(node[1], {}, in_vmap)
+      for name in sorted(inner, key=lambda n: n not in REDUCTIONS):
         out.setdefault(name, None)
+    elif kind in ('jit', 'remat', 'cjvp', 'scan', 'vmap'):
+      _names_in_order(node[1], out, in_vmap or kind == 'vmap')
+    elif kind == 'cond':
+      # Branch by branch, each in its own order (its shared plain names are
+      # sown at its end).
+      for b in node[1]:
+        _names_in_order(b, out, in_vmap)
+        for name, _ in node[2]:
+          out.setdefault(name, None)
   return out
 
 

@@ -31,14 +31,13 @@ from __future__ import annotations
 
 import typing as tp
 
-import jax
-
 from flax.nnx.sow import _jax
 from flax.nnx.sow import loops
 from flax.nnx.sow.capture import Layout
 from flax.nnx.sow.capture import PLAIN_SOWS
 from flax.nnx.sow.capture import rewrite_jaxpr
 from flax.nnx.sow.capture import sow_sites
+from flax.nnx.sow.primitive import mapped_axis_first
 from flax.nnx.sow.primitive import sow_p
 
 
@@ -50,13 +49,10 @@ def _sow_again(layout: Layout, values, dims, axis_size) -> None:
   """Sows the hoisted entries, with the mapped axis first."""
   pos = 0
   for spec in layout.entries:
-    leaves = []
-    for x, d in zip(values[pos : pos + spec.size], dims[pos : pos + spec.size]):
-      if d is None:
-        x = jax.lax.broadcast(x, (axis_size,))
-      elif d != 0:
-        x = jax.numpy.moveaxis(x, d, 0)
-      leaves.append(x)
+    leaves = [
+        mapped_axis_first(x, d, axis_size)
+        for x, d in zip(values[pos : pos + spec.size], dims[pos : pos + spec.size])
+    ]
     pos += spec.size
     sow_p.bind(
         *leaves,
@@ -64,6 +60,7 @@ def _sow_again(layout: Layout, values, dims, axis_size) -> None:
         tag=spec.tag,
         treedef=spec.treedef,
         reduction=None,
+        batch_dims=1,
         remat_copy=False,
     )
 

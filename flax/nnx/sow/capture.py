@@ -244,25 +244,42 @@ class Collector:
       raise _reduction_error(name)
     return acc
 
-  def reduce(self, name: Name, reduction: Reduction, treedef, leaves):
+  def reduce(
+      self, name: Name, reduction: Reduction, treedef, leaves, batch_dims=0
+  ):
+    """Folds one sown value (or, with ``batch_dims``, a batch) into ``name``."""
     acc = self.accumulator(name, reduction)
     self.names.setdefault(name, None)
-    value = jax.tree_util.tree_unflatten(treedef, leaves)
-    new = reduction.reduce_fn(
-        jax.tree_util.tree_unflatten(acc.treedef, acc.leaves), value
-    )
-    new_leaves, new_treedef = jax.tree_util.tree_flatten(new)
-    new_leaves = tuple(strong(x) for x in new_leaves)
-    new_avals = tuple(_jax.typeof(x) for x in new_leaves)
-    if new_treedef != acc.treedef or not _same_types(new_avals, acc.avals):
-      raise ValueError(
-          f'sow {name!r}: reduce_fn changed the accumulator from'
-          f' {_describe(acc.treedef, acc.avals)} to'
-          f' {_describe(new_treedef, new_avals)}. The accumulator must keep'
-          ' its structure, shape and dtype; make init_fn() return a value of'
-          ' the type reduce_fn produces (e.g. with the right dtype).'
+
+    def step(acc_leaves, value_leaves):
+      new = reduction.reduce_fn(
+          jax.tree_util.tree_unflatten(acc.treedef, acc_leaves),
+          jax.tree_util.tree_unflatten(treedef, value_leaves),
       )
-    self.accumulators[name] = Accumulator(acc.treedef, new_leaves, reduction)
+      new_leaves, new_treedef = jax.tree_util.tree_flatten(new)
+      new_leaves = tuple(strong(x) for x in new_leaves)
+      new_avals = tuple(_jax.typeof(x) for x in new_leaves)
+      if new_treedef != acc.treedef or not _same_types(new_avals, acc.avals):
+        raise ValueError(
+            f'sow {name!r}: reduce_fn changed the accumulator from'
+            f' {_describe(acc.treedef, acc.avals)} to'
+            f' {_describe(new_treedef, new_avals)}. The accumulator must keep'
+            ' its structure, shape and dtype; make init_fn() return a value'
+            ' of the type reduce_fn produces (e.g. with the right dtype).'
+        )
+      return new_leaves
+
+    if batch_dims:
+      # Values sown under vmap: one reduction per example, in order.
+      batch = [x.reshape((-1, *x.shape[batch_dims:])) for x in leaves]
+      new_leaves, _ = jax.lax.scan(
+          lambda a, v: (step(a, v), None), acc.leaves, batch
+      )
+    else:
+      new_leaves = step(acc.leaves, leaves)
+    self.accumulators[name] = Accumulator(
+        acc.treedef, tuple(new_leaves), reduction
+    )
 
   def on_sow(self, eqn: _jax.JaxprEqn, invals: list[tp.Any]) -> list[tp.Any]:
     p = eqn.params
@@ -273,7 +290,9 @@ class Collector:
       spec = EntrySpec(p['name'], p['tag'], p['treedef'], len(invals))
       self.add_entry(spec, invals)
     else:
-      self.reduce(p['name'], p['reduction'], p['treedef'], invals)
+      self.reduce(
+          p['name'], p['reduction'], p['treedef'], invals, p['batch_dims']
+      )
     return invals
 
   # -- sub-jaxprs ---------------------------------------------------------

@@ -80,20 +80,26 @@ sow_p.multiple_results = True
 # does not force its value to be saved as a residual.
 
 
+# ``batch_dims`` counts the leading axes that ``jax.vmap`` added to a sown
+# value. A capture folds a reduced sow's ``reduce_fn`` over them, so under
+# vmap every example is reduced into the one accumulator, as if ``f`` had
+# run once per example.
+
+
 @sow_p.def_impl
-def _sow_impl(*leaves, name, tag, treedef, reduction, remat_copy):
-  del name, tag, treedef, reduction, remat_copy
+def _sow_impl(*leaves, **params):
+  del params
   return leaves
 
 
 @sow_p.def_effectful_abstract_eval
-def _sow_abstract_eval(*avals, name, tag, treedef, reduction, remat_copy):
-  del name, tag, treedef, reduction
+def _sow_abstract_eval(*avals, remat_copy, **params):
+  del params
   return avals, set() if remat_copy else {sow_effect}
 
 
-def _sow_lowering(ctx, *leaves, name, tag, treedef, reduction, remat_copy):
-  del ctx, name, tag, treedef, reduction, remat_copy
+def _sow_lowering(ctx, *leaves, **params):
+  del ctx, params
   return leaves
 
 
@@ -111,14 +117,16 @@ _jax.primitive_jvps[sow_p] = _sow_jvp
 
 def _sow_batch(axis_data, leaves, dims, **params):
   # Sown values come back with the mapped axis first, like vmap's outputs.
-  moved = []
-  for leaf, dim in zip(leaves, dims):
-    if dim is None:
-      leaf = jax.lax.broadcast(leaf, (axis_data.size,))
-    elif dim != 0:
-      leaf = jnp.moveaxis(leaf, dim, 0)
-    moved.append(leaf)
+  moved = [mapped_axis_first(x, d, axis_data.size) for x, d in zip(leaves, dims)]
+  params = dict(params, batch_dims=params['batch_dims'] + 1)
   return sow_p.bind(*moved, **params), [0] * len(moved)
+
+
+def mapped_axis_first(x, dim: int | None, size: int):
+  """``x`` with its mapped axis ``dim`` first (broadcast if not mapped)."""
+  if dim is None:
+    return jax.lax.broadcast(x, (size,))
+  return x if dim == 0 else jnp.moveaxis(x, dim, 0)
 
 
 _jax.fancy_primitive_batchers[sow_p] = _sow_batch
@@ -289,6 +297,7 @@ def sow(
       tag=tag,
       treedef=treedef,
       reduction=reduction,
+      batch_dims=0,
       remat_copy=False,
   )
   return jax.tree_util.tree_unflatten(treedef, out)

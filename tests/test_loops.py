@@ -702,6 +702,50 @@ class VmapInsideCaptureTest(parameterized.TestCase):
     np.testing.assert_array_equal(collected['v'][0], expected)
 
 
+  def test_reduced_sow_inside_vmap_reduces_every_example(self):
+    # A reduced sow under vmap inside the capture folds reduce_fn over the
+    # examples in order, as if f had run once per example.
+    def per_example(x):
+      sow(
+          jnp.sum(x > 0), name='positives', reduce_fn=_add, init_fn=_zero_int
+      )
+      sow(x, name='running_max', reduce_fn=jnp.maximum, init_fn=_neg_inf3)
+      return x * 2.0
+
+    xs = np.array([[1.0, -2.0, 3.0], [-1.0, -1.0, 5.0]], np.float32)
+    out, collected = capture(jax.vmap(per_example))(xs)
+    np.testing.assert_array_equal(out, xs * 2.0)
+    self.assertEqual(int(collected['positives']), 3)
+    np.testing.assert_array_equal(
+        collected['running_max'], np.max(xs, axis=0)
+    )
+
+  def test_reduced_count_in_scan_inside_vmap(self):
+    def per_example(x):
+      def body(c, t):
+        sow(1, name='steps', reduce_fn=_add, init_fn=_zero_int)
+        return c + t, None
+
+      return jax.lax.scan(body, 0.0, x)[0]
+
+    xs = np.arange(8.0, dtype=np.float32).reshape(2, 4)
+    out, collected = capture(jax.vmap(per_example))(xs)
+    np.testing.assert_array_equal(out, xs.sum(axis=1))
+    self.assertEqual(int(collected['steps']), 2 * 4)
+
+
+def _add(acc, v):
+  return acc + v
+
+
+def _zero_int():
+  return jnp.int32(0)
+
+
+def _neg_inf3():
+  return jnp.full((3,), -jnp.inf, jnp.float32)
+
+
 class NameOrderTest(parameterized.TestCase):
   """SPEC: ``collected`` has its keys in order of first sow."""
 

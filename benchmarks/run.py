@@ -75,7 +75,7 @@ class Config(tp.NamedTuple):
 
 
 FULL = Config(
-    quick=False, sizes=wl.FULL, runtime_repeats=15, compile_repeats=5,
+    quick=False, sizes=wl.FULL, runtime_repeats=15, compile_repeats=7,
     compile_warmup=1, trace_repeats=5, first_call_layers=(12, 48),
     scaling_layers=(12, 192), scan_steps=(100, 10_000), scan_width=256)
 QUICK = Config(

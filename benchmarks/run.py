@@ -416,6 +416,25 @@ def _scan(steps: int, width: int, reduce: bool):
   return f
 
 
+def _check_scan(short: int, width: int):
+  """Raises unless capture collects what the scan computes, at ``short``."""
+  w = jax.random.normal(jax.random.key(2), (width, width)) / width**0.5
+  h0 = jax.random.normal(jax.random.key(3), (width,))
+
+  def by_hand(w, h0):
+    def body(carry, _):
+      h, total = carry
+      h = jnp.tanh(h @ w)
+      return (h, total + h), h
+    return jax.lax.scan(body, (h0, jnp.zeros_like(h0)), None, length=short)
+
+  (_, total), ys = jax.jit(by_hand)(w, h0)
+  _, reduced = jax.jit(capture(_scan(short, width, True)))(w, h0)
+  _, stacked = jax.jit(capture(_scan(short, width, False)))(w, h0)
+  np.testing.assert_allclose(reduced['h'], total, rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(stacked['h'][0], ys, rtol=1e-4, atol=1e-5)
+
+
 def _memory(fn, *args):
   stats = jax.jit(fn).lower(*args).compile().memory_analysis()
   return stats.temp_size_in_bytes, stats.output_size_in_bytes
@@ -427,6 +446,7 @@ def reduce_memory(cfg: Config) -> list[Result]:
   w = jax.ShapeDtypeStruct((width, width), jnp.float32)
   h0 = jax.ShapeDtypeStruct((width,), jnp.float32)
   short, long = cfg.scan_steps
+  _check_scan(short, width)
   results = []
   for kind, reduce, target in (('reduce', True, 1.1),
                                ('stacked', False, None)):

@@ -268,6 +268,21 @@ class OutsideCaptureTest(absltest.TestCase):
     self.assertNotIn('sow', text)
 
 
+  def test_jit_outside_capture_has_no_effect(self):
+    # Outside a capture nothing collects a sow, so a jitted function keeps
+    # no effect (and JAX's C++ dispatch fast path); the same jitted function
+    # still gives its unused sow to a capture, also under jax.grad.
+    g = jax.jit(lambda x: (sow(x * 3.0, name='unused'), x)[1])
+    x = jnp.array([1.0, 2.0])
+    assert_close(g(x), np.array([1.0, 2.0]))
+    self.assertFalse(jax.make_jaxpr(g)(x).effects)
+    _, collected = capture(g)(x)
+    assert_close(collected['unused'][0], np.array([3.0, 6.0]))
+    grad, collected = capture(jax.grad(lambda x: g(x).sum()))(x)
+    assert_close(grad, np.ones(2))
+    assert_close(collected['unused'][0], np.array([3.0, 6.0]))
+
+
 # ----------------------------------------------------------------------------
 # 2. Unused sows and sown constants.
 

@@ -39,6 +39,7 @@ from flax.nnx.sow.capture import rewrite_jaxpr
 from flax.nnx.sow.capture import sow_sites
 from flax.nnx.sow.primitive import mapped_axis_first
 from flax.nnx.sow.primitive import sow_p
+from flax.nnx.sow.primitive import staging_active
 
 
 def _has_plain_sows(closed: _jax.ClosedJaxpr) -> bool:
@@ -61,6 +62,7 @@ def _sow_again(layout: Layout, values, dims, axis_size) -> None:
         treedef=spec.treedef,
         reduction=None,
         batch_dims=1,
+        effect=staging_active(),
         remat_copy=False,
     )
 

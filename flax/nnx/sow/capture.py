@@ -46,6 +46,7 @@ from flax.nnx.sow import graph as graph_lib
 from flax.nnx.sow.primitive import Name
 from flax.nnx.sow.primitive import Reduction
 from flax.nnx.sow.primitive import sow_p
+from flax.nnx.sow.primitive import staging
 
 Rule = tp.Callable[['Collector', _jax.JaxprEqn, list[tp.Any]], list[tp.Any]]
 
@@ -652,11 +653,12 @@ def stage_and_collect(
     out_box.append((out_tree, out_leaves, out_is_array))
     return [x for x, o in zip(out_leaves, out_is_array) if o]
 
-  closed = _jax.trace_to_closed_jaxpr(
-      flat_f,
-      [_jax.typeof(x) for x in arrays],
-      getattr(f, '__name__', 'f'),
-  )
+  with staging():
+    closed = _jax.trace_to_closed_jaxpr(
+        flat_f,
+        [_jax.typeof(x) for x in arrays],
+        getattr(f, '__name__', 'f'),
+    )
   out_tree, static_out, out_is_array = out_box[-1]
   collector = Collector(accepts_key)
   outs = iter(eval_collecting(closed.jaxpr, closed.consts, arrays, collector))

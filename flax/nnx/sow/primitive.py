@@ -80,6 +80,28 @@ sow_p.multiple_results = True
 # does not force its value to be saved as a residual.
 
 
+# ``effect`` is whether the sow carries ``SowEffect``: true for a sow staged
+# while a capture stages its function (see ``staging``), so that an unused
+# sow survives dead-code elimination until the capture collects it; false
+# otherwise, where nothing can collect it: the sow is then an ordinary
+# identity, removed by dead-code elimination and invisible to ``jax.jit``'s
+# dispatch (an effect would disable its C++ fast path).
+_STAGING = jax.make_user_context(False)
+
+
+def staging():
+  """The context in which ``capture`` stages its function.
+
+  Part of JAX's tracing cache key, so a ``jax.jit`` traced inside a capture
+  (effectful sows) is not reused outside one (effect-free sows), and back.
+  """
+  return _STAGING(True)
+
+
+def staging_active() -> bool:
+  return bool(_STAGING.value)
+
+
 # ``batch_dims`` counts the leading axes that ``jax.vmap`` added to a sown
 # value. A capture folds a reduced sow's ``reduce_fn`` over them, so under
 # vmap every example is reduced into the one accumulator, as if ``f`` had
@@ -93,9 +115,9 @@ def _sow_impl(*leaves, **params):
 
 
 @sow_p.def_effectful_abstract_eval
-def _sow_abstract_eval(*avals, remat_copy, **params):
+def _sow_abstract_eval(*avals, effect, remat_copy, **params):
   del params
-  return avals, set() if remat_copy else {sow_effect}
+  return avals, {sow_effect} if effect and not remat_copy else set()
 
 
 def _sow_lowering(ctx, *leaves, **params):
@@ -244,8 +266,10 @@ def sow(
   """Tags ``value`` as an intermediate that an enclosing ``capture`` collects.
 
   ``sow`` leaves an identity primitive, ``sow_p``, in the staged program.
-  Outside a :func:`capture` it is the identity under every JAX transform and
-  compiles to nothing. Inside one, the value is returned by the capture under
+  Outside a :func:`capture` it is the identity under every JAX transform,
+  compiles to nothing and carries no effect (a jitted function keeps JAX's
+  fast dispatch path); while a capture stages its function the primitive
+  carries ``SowEffect``, so an unused sow survives until it is collected. Inside one, the value is returned by the capture under
   ``name``. The idea follows oryx's ``harvest`` (``sow``/``reap``), built as a
   jaxpr rewrite in the style of JAX's ``checkify``.
 
@@ -298,6 +322,7 @@ def sow(
       treedef=treedef,
       reduction=reduction,
       batch_dims=0,
+      effect=staging_active(),
       remat_copy=False,
   )
   return jax.tree_util.tree_unflatten(treedef, out)

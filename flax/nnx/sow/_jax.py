@@ -154,5 +154,40 @@ def eval_closed(closed: ClosedJaxpr, args: tp.Sequence[tp.Any]) -> list:
   return [as_value(x) for x in eval_jaxpr(closed.jaxpr, closed.consts, *args)]
 
 
-def memoize_thunk(fn):
-  return pe._memoize(fn)  # pylint: disable=protected-access
+def eval_into_current_trace(
+    jaxpr: Jaxpr, consts: tp.Sequence[tp.Any], args: tp.Sequence[tp.Any]
+) -> list[tp.Any]:
+  """``eval_jaxpr``, but copying the equations when staging into a jaxpr.
+
+  Under a ``DynamicJaxprTrace`` (``jax.jit``, ``make_jaxpr``) the equations
+  are copied into the trace as they are, several times faster than binding
+  each one; elsewhere (eagerly, under ``grad``/``vmap``) each is bound.
+  """
+  trace = trace_ctx.trace
+  if isinstance(trace, pe.DynamicJaxprTrace) and not trace.requires_low:
+    src = source_info_util.current()
+    tracers = [trace.to_jaxpr_tracer(x, src) for x in args]
+    outs = pe.inline_jaxpr_into_trace(trace, src, jaxpr, consts, *tracers)
+    # An input returned as it is comes back as the caller's own object.
+    inputs = dict(zip(jaxpr.invars, args))
+    outs = [
+        inputs.get(v, x) if isinstance(v, Var) else x
+        for v, x in zip(jaxpr.outvars, outs)
+    ]
+  else:
+    outs = eval_jaxpr(jaxpr, consts, *args)
+  return [as_value(x) for x in outs]
+
+
+def edit_jaxpr(
+    jaxpr: Jaxpr, eqns: list[JaxprEqn], outvars: list[tp.Any]
+) -> Jaxpr:
+  """``jaxpr`` with new equations and outputs (effects recomputed)."""
+  effects_ = pe.make_jaxpr_effects(jaxpr.constvars, jaxpr.invars, outvars, eqns)
+  debug = jaxpr.debug_info
+  if debug is not None:
+    debug = debug._replace(result_paths=None)
+  return jaxpr.replace(
+      eqns=eqns, outvars=outvars, effects=effects_, debug_info=debug
+  )
+

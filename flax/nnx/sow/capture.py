@@ -183,6 +183,17 @@ Used to hoist plain sows out of a construct (``batching.py``).
 """
 
 
+def accepts(
+    accepts_key: frozenset | None | object,
+    tag: tp.Hashable,
+    reduction: Reduction | None,
+) -> bool:
+  """Whether a capture with ``accepts_key`` collects a sow of ``tag``."""
+  if accepts_key is PLAIN_SOWS:
+    return reduction is None
+  return accepts_key is None or tag in accepts_key
+
+
 class Collector:
   """What one capture has collected so far in one scope of the program.
 
@@ -200,9 +211,7 @@ class Collector:
   # -- which sows this capture takes --------------------------------------
 
   def accepts(self, tag: tp.Hashable, reduction: Reduction | None) -> bool:
-    if self.accepts_key is PLAIN_SOWS:
-      return reduction is None
-    return self.accepts_key is None or tag in self.accepts_key
+    return accepts(self.accepts_key, tag, reduction)
 
   def accepted_sites(
       self, jaxprs: tp.Iterable[_jax.Jaxpr | _jax.ClosedJaxpr]
@@ -449,6 +458,71 @@ def cached(source: tp.Any, key: tp.Hashable, build: tp.Callable[[], tp.Any]):
   return result
 
 
+@dataclasses.dataclass(frozen=True)
+class Edited:
+  """A jaxpr whose accepted sows were removed and their operands returned."""
+
+  jaxpr: _jax.Jaxpr  # returns [*outputs, *entry_leaves]
+  layout: Layout
+
+
+def edit_plain_sows(
+    jaxpr: _jax.Jaxpr, accepts_key: frozenset | None | object
+) -> Edited | None:
+  """The rewrite as an edit of ``jaxpr``, where that is all it takes.
+
+  When every sow the capture accepts is a plain sow at the top level of
+  ``jaxpr`` and no sub-jaxpr holds one, collecting is an edit: drop those
+  equations, let their consumers read the operands instead, and append the
+  operands to the outputs. Nothing is re-traced, and the edited jaxpr can be
+  copied into the caller's trace whole. Returns ``None`` otherwise (reduced
+  sows or sub-jaxprs with work need the interpreter).
+  """
+  subst: dict[_jax.Var, tp.Any] = {}
+  eqns = []
+  entries = []
+  sown = []
+  for eqn in jaxpr.eqns:
+    p = eqn.params
+    if eqn.primitive is sow_p and not p['remat_copy']:
+      if accepts(accepts_key, p['tag'], p['reduction']):
+        if p['reduction'] is not None:
+          return None
+        operands = [
+            subst.get(v, v) if isinstance(v, _jax.Var) else v
+            for v in eqn.invars
+        ]
+        subst.update(zip(eqn.outvars, operands))
+        entries.append(
+            EntrySpec(p['name'], p['tag'], p['treedef'], len(operands))
+        )
+        sown.extend(operands)
+        continue
+    elif any(
+        accepts(accepts_key, s.tag, s.reduction)
+        for sub in _jax.jaxprs_in_params(p)
+        for s in sow_sites(sub)
+    ):
+      return None
+    if subst and any(isinstance(v, _jax.Var) and v in subst
+                     for v in eqn.invars):
+      eqn = eqn.replace(
+          invars=[
+              subst.get(v, v) if isinstance(v, _jax.Var) else v
+              for v in eqn.invars
+          ]
+      )
+    eqns.append(eqn)
+  outvars = [
+      subst.get(v, v) if isinstance(v, _jax.Var) else v for v in jaxpr.outvars
+  ]
+  names = tuple(dict.fromkeys(e.name for e in entries))
+  return Edited(
+      _jax.edit_jaxpr(jaxpr, eqns, [*outvars, *sown]),
+      Layout(tuple(entries), (), names),
+  )
+
+
 def rewrite_jaxpr(
     jaxpr: _jax.ClosedJaxpr,
     accepts_key: frozenset | None,
@@ -462,6 +536,10 @@ def rewrite_jaxpr(
 
 
 def _rewrite_jaxpr(jaxpr, accepts_key, specs):
+  if not specs:
+    edited = edit_plain_sows(jaxpr.jaxpr, accepts_key)
+    if edited is not None:
+      return _jax.ClosedJaxpr(edited.jaxpr, jaxpr.consts), edited.layout
   num_acc = sum(len(s.avals) for s in specs)
   layout_box = []
 
@@ -661,7 +739,15 @@ def stage_and_collect(
     )
   out_tree, static_out, out_is_array = out_box[-1]
   collector = Collector(accepts_key)
-  outs = iter(eval_collecting(closed.jaxpr, closed.consts, arrays, collector))
+  edited = edit_plain_sows(closed.jaxpr, accepts_key)
+  if edited is None:
+    outs = eval_collecting(closed.jaxpr, closed.consts, arrays, collector)
+  else:
+    outs = _jax.eval_into_current_trace(edited.jaxpr, closed.consts, arrays)
+    n_out = len(outs) - edited.layout.num_extra
+    collector.absorb(edited.layout, outs[n_out:])
+    outs = outs[:n_out]
+  outs = iter(outs)
   out_leaves = [
       next(outs) if o else x for x, o in zip(static_out, out_is_array)
   ]

@@ -325,6 +325,20 @@ class Collector:
         raise _reduction_error(site.name)
     return tuple(specs.values())
 
+  def prepare(
+      self, jaxpr: _jax.ClosedJaxpr
+  ) -> tuple[_jax.ClosedJaxpr, Layout, list[tp.Any]]:
+    """What a rule for a one-body primitive needs, in one call.
+
+    Returns:
+      ``(rewritten, layout, accumulators)``: ``jaxpr`` rewritten for this
+      capture (see :meth:`rewrite`), the layout of its extra outputs, and the
+      accumulator leaves to pass as its leading inputs.
+    """
+    specs = self.reduced_specs([jaxpr])
+    rewritten, layout = self.rewrite(jaxpr, specs)
+    return rewritten, layout, self.accumulator_leaves(specs)
+
   def accumulator_leaves(self, specs: tp.Sequence[ReducedSpec]) -> list:
     return [x for s in specs for x in self.accumulators[s.name].leaves]
 

@@ -70,9 +70,7 @@ def _scan_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
   p = eqn.params
   body = p['jaxpr']
   n_consts, n_carry = p['num_consts'], p['num_carry']
-  specs = collector.reduced_specs([body])
-  acc_in = collector.accumulator_leaves(specs)
-  rewritten, layout = collector.rewrite(body, specs)
+  rewritten, layout, acc_in = collector.prepare(body)
   n_acc = len(acc_in)
   n_body_in = len(body.in_avals)
   n_carry_out = n_carry
@@ -139,9 +137,7 @@ def _while_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
         ' jnp.zeros(shape)), or use `lax.scan` / a fori_loop with static'
         ' bounds to stack them.'
     )
-  specs = collector.reduced_specs([body])
-  acc_in = collector.accumulator_leaves(specs)
-  rewritten, layout = collector.rewrite(body, specs)
+  rewritten, layout, acc_in = collector.prepare(body)
   n_acc = len(acc_in)
   n_carry = len(body.out_avals)
 

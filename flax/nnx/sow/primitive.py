@@ -187,10 +187,6 @@ def _sow_partial_eval_custom(saveable, unks_in, inst_in, eqn):
 _jax.partial_eval_jaxpr_custom_rules[sow_p] = _sow_partial_eval_custom
 
 
-def name_repr(name: Name) -> str:
-  return repr(name)
-
-
 def check_name(name: tp.Any, what: str = 'sow') -> None:
   """Raises ``TypeError`` unless ``name`` is a str or a tuple of str/int."""
   if isinstance(name, str):

@@ -44,9 +44,7 @@ def _split(outs, n):
 
 def _jit_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
   p = eqn.params
-  specs = collector.reduced_specs([p['jaxpr']])
-  acc_in = collector.accumulator_leaves(specs)
-  new_jaxpr, layout = collector.rewrite(p['jaxpr'], specs)
+  new_jaxpr, layout, acc_in = collector.prepare(p['jaxpr'])
   n_acc, n_extra = len(acc_in), layout.num_extra
   outs = _jax.jit_p.bind(
       *acc_in,
@@ -97,9 +95,7 @@ collect_rules[_jax.call_p] = _call_rule
 def _remat_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
   p = eqn.params
   closed = _jax.ClosedJaxpr(p['jaxpr'], ())
-  specs = collector.reduced_specs([closed])
-  acc_in = collector.accumulator_leaves(specs)
-  new_jaxpr, layout = collector.rewrite(closed, specs)
+  new_jaxpr, layout, acc_in = collector.prepare(closed)
   open_jaxpr, consts = _jax.close_over_nothing(new_jaxpr)
   outs = _jax.remat_p.bind(
       *consts, *acc_in, *invals, **dict(p, jaxpr=open_jaxpr)
@@ -121,9 +117,7 @@ construct_names[_jax.remat_p] = '`jax.checkpoint`'
 
 def _custom_jvp_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
   p = eqn.params
-  specs = collector.reduced_specs([p['call_jaxpr']])
-  acc_in = collector.accumulator_leaves(specs)
-  new_jaxpr, layout = collector.rewrite(p['call_jaxpr'], specs)
+  new_jaxpr, layout, acc_in = collector.prepare(p['call_jaxpr'])
   n_acc, n_out = len(acc_in), len(eqn.outvars)
   _, orig_jvp = eqn.primitive.get_bind_params(p)['subfuns']
 
@@ -167,10 +161,8 @@ construct_names[_jax.custom_jvp_call_p] = '`jax.custom_jvp`'
 
 def _custom_vjp_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
   p = eqn.params
-  specs = collector.reduced_specs([p['call_jaxpr']])
-  acc_in = collector.accumulator_leaves(specs)
+  new_jaxpr, layout, acc_in = collector.prepare(p['call_jaxpr'])
   acc_avals = [_jax.typeof(x) for x in acc_in]
-  new_jaxpr, layout = collector.rewrite(p['call_jaxpr'], specs)
   n_acc, n_out, n_extra = len(acc_in), len(eqn.outvars), layout.num_extra
   _, orig_fwd, orig_bwd = eqn.primitive.get_bind_params(p)['subfuns']
 

@@ -29,7 +29,9 @@ import typing as tp
 
 from flax import nnx
 
-Name = tp.Union[str, tuple[tp.Union[str, int], ...]]
+from flax.nnx.sow import primitive
+
+Name = primitive.Name
 VariableType = type[nnx.Variable]
 TypeSpec = tp.Union[VariableType, tp.Callable[[Name], VariableType]]
 
@@ -42,21 +44,8 @@ def name_to_path(name: Name) -> tuple[tp.Union[str, int], ...]:
   Raises:
     TypeError: if ``name`` is not a str or a non-empty tuple of str/int.
   """
-  if isinstance(name, str):
-    return (name,)
-  if (
-      isinstance(name, tuple)
-      and name
-      and all(
-          isinstance(p, str) or (isinstance(p, int) and not isinstance(p, bool))
-          for p in name
-      )
-  ):
-    return name
-  raise TypeError(
-      f'A sow name must be a str or a non-empty tuple of str/int, got {name!r}'
-      f' of type {type(name).__name__}.'
-  )
+  primitive.check_name(name, 'name_to_path')
+  return (name,) if isinstance(name, str) else name
 
 
 def _variable_type(spec: TypeSpec, name: Name) -> VariableType:

@@ -76,7 +76,7 @@ class Config(tp.NamedTuple):
 
 
 FULL = Config(
-    quick=False, sizes=wl.FULL, runtime_repeats=15, compile_repeats=7,
+    quick=False, sizes=wl.FULL, runtime_repeats=15, compile_repeats=11,
     compile_warmup=1, trace_repeats=5, first_call_layers=(12, 48),
     scaling_layers=(12, 192), scan_steps=(100, 10_000), scan_width=256)
 QUICK = Config(
@@ -654,11 +654,15 @@ def main(argv: list[str] | None = None) -> int:
                       + ','.join(BENCHMARKS) + ')')
   parser.add_argument('--repeats', type=int,
                       help='override the number of runtime samples')
+  parser.add_argument('--compile-repeats', type=int,
+                      help='override the number of first-call samples')
   args = parser.parse_args(argv)
 
   cfg = QUICK if args.quick else FULL
   if args.repeats:
     cfg = cfg._replace(runtime_repeats=args.repeats)
+  if args.compile_repeats:
+    cfg = cfg._replace(compile_repeats=args.compile_repeats)
   names = args.only.split(',') if args.only else list(BENCHMARKS)
   unknown = [n for n in names if n not in BENCHMARKS]
   if unknown:

@@ -39,6 +39,54 @@ XS = np.array(
 )  # (4, 2)
 
 
+class VmapReducedErrorTest(absltest.TestCase):
+  """Reductions that vmap inside a capture cannot keep per example."""
+
+  def test_reduced_sow_in_cond_on_batched_predicate(self):
+    def f(x):
+      def pos(x):
+        sow(jnp.int32(1), name='n', reduce_fn=_add, init_fn=_zero_int)
+        return x
+
+      return jax.lax.cond(x > 0, pos, lambda x: x, x)
+
+    with self.assertRaisesRegex(NotImplementedError, r"sow 'n'.*vmap"):
+      capture(jax.vmap(f))(jnp.array([1.0, -1.0, 2.0]))
+    # Around the capture it is exact: one count per example taking `pos`.
+    _, collected = jax.vmap(capture(f))(jnp.array([1.0, -1.0, 2.0]))
+    np.testing.assert_array_equal(collected['n'], [1, 0, 1])
+
+  def test_reduced_sow_in_while_on_batched_predicate(self):
+    def steps(n):
+      def body(s):
+        sow(jnp.int32(1), name='steps', reduce_fn=_add, init_fn=_zero_int)
+        return s - 1
+
+      return jax.lax.while_loop(lambda s: s > 0, body, n)
+
+    n = jnp.array([1, 3, 5], jnp.int32)
+    with self.assertRaisesRegex(NotImplementedError, r"sow 'steps'.*vmap"):
+      capture(jax.vmap(steps))(n)
+    _, collected = jax.vmap(capture(steps))(n)
+    np.testing.assert_array_equal(collected['steps'], [1, 3, 5])
+
+  def test_name_order_under_vmapped_scan(self):
+    def f(x):
+      def step(c, t):
+        sow(c, name='plain_first')
+        sow(1, name='red', reduce_fn=_add, init_fn=_zero_int)
+        return c + t, None
+
+      return jax.lax.scan(step, 0.0, x)[0]
+
+    _, collected = capture(jax.vmap(f))(jnp.ones((2, 3)))
+    self.assertEqual(list(collected), ['plain_first', 'red'])
+    np.testing.assert_array_equal(
+        collected['plain_first'][0], [[0.0, 1.0, 2.0], [0.0, 1.0, 2.0]]
+    )
+    self.assertEqual(int(collected['red']), 6)
+
+
 def _add(acc, v):
   return acc + v
 

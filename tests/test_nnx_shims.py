@@ -194,6 +194,14 @@ class FailsTodayTest(parameterized.TestCase):
     _, state = jax.jit(lambda x: nnx.capture(model, nnx.Intermediate)(x))(x)
     close(state['y'][0], x @ W)
     self.assertEqual(float(model.count[...]), 2.0)
+    # Also while Hijax is the default (the result State holds plain
+    # Variables, which can be made inside jax.jit).
+    with nnx.var_defaults(hijax=True):
+      _, state = jax.jit(
+          lambda x: nnx.capture(model, nnx.Intermediate)(x)
+      )(x)
+    close(state['y'][0], x @ W)
+    self.assertEqual(float(model.count[...]), 3.0)
 
   def test_6_exception_leaves_nothing(self):
     model = Stack()
@@ -451,6 +459,27 @@ class ShimTest(parameterized.TestCase):
       nnx.capture(Dense(), 'intermediates')
     with self.assertRaisesRegex(TypeError, 'first argument'):
       nnx.capture(lambda x: x, nnx.Intermediate)(np.ones(2))
+
+
+class GrowingReductionTest(absltest.TestCase):
+
+  def test_flax_style_growing_reduce_fn(self):
+    # Flax reduces sown values with any reduce_fn, also one whose
+    # accumulator grows; the shim keeps that meaning.
+    class Appends(nnx.Module):
+
+      def __call__(self, x):
+        kw = dict(reduce_fn=lambda c, v: (*c, v), init_fn=lambda: ())
+        self.sow(nnx.Intermediate, 'a', x, **kw)
+        self.sow(nnx.Intermediate, 'a', 2.0 * x, **kw)
+        return x
+
+    x = np.array([1.0, -1.0], np.float32)
+    _, state = nnx.capture(Appends(), nnx.Intermediate)(x)
+    value = state['a'].get_value()
+    self.assertLen(value, 2)
+    close(value[0], x)
+    close(value[1], 2.0 * x)
 
 
 class StateConversionTest(absltest.TestCase):

@@ -387,31 +387,23 @@ def _node_explicit(node, x, p, accs):
   raise AssertionError(node)
 
 
-def _names_in_order(body, out=None, in_vmap=False):
+def _names_in_order(body, out=None):
   """Every sown name, in order of first appearance in the program.
 
-  A ``cond`` lists its branches' names branch by branch. One exception, by
-  design: ``jax.vmap`` hoists the plain sows of a batched
-  ``scan`` out of it (so they come back batch axis first), which places
-  them after the scan; reduced sows stay inside. So for a scan under vmap
-  the reduced names it sows come before its plain names.
+  A ``cond`` lists its branches' names branch by branch.
   """
   out = {} if out is None else out
   for node in body:
     kind = node[0]
     if kind in ('sow', 'red'):
       out.setdefault(node[1], None)
-    elif kind == 'scan' and in_vmap:
-      inner = _names_in_order(node[1], {}, in_vmap)
-      for name in sorted(inner, key=lambda n: n not in REDUCTIONS):
-        out.setdefault(name, None)
     elif kind in ('jit', 'remat', 'cjvp', 'scan', 'vmap'):
-      _names_in_order(node[1], out, in_vmap or kind == 'vmap')
+      _names_in_order(node[1], out)
     elif kind == 'cond':
       # Branch by branch, each in its own order (its shared plain names are
       # sown at its end).
       for b in node[1]:
-        _names_in_order(b, out, in_vmap)
+        _names_in_order(b, out)
         for name, _ in node[2]:
           out.setdefault(name, None)
   return out

@@ -68,6 +68,7 @@ trace_ctx = core.trace_ctx
 convert_constvars_jaxpr = pe.convert_constvars_jaxpr
 primitive_jvps = ad.primitive_jvps
 primitive_transposes = ad.primitive_transposes
+instantiate_zeros = ad.instantiate_zeros
 fancy_primitive_batchers = batching.fancy_primitive_batchers
 register_lowering = mlir.register_lowering
 partial_eval_jaxpr_custom_rules = pe.partial_eval_jaxpr_custom_rules

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import typing as tp
 
+import jax
+
 from flax.nnx.sow import _jax
 from flax.nnx.sow import loops
 from flax.nnx.sow.capture import Layout
@@ -38,7 +40,7 @@ from flax.nnx.sow.capture import PLAIN_SOWS
 from flax.nnx.sow.capture import rewrite_jaxpr
 from flax.nnx.sow.capture import sow_sites
 from flax.nnx.sow.primitive import mapped_axis_first
-from flax.nnx.sow.primitive import sow_p
+from flax.nnx.sow.primitive import bind_sow
 from flax.nnx.sow.primitive import staging_active
 
 
@@ -55,16 +57,32 @@ def _sow_again(layout: Layout, values, dims, axis_size) -> None:
         for x, d in zip(values[pos : pos + spec.size], dims[pos : pos + spec.size])
     ]
     pos += spec.size
-    sow_p.bind(
-        *leaves,
+    bind_sow(
+        leaves,
         name=spec.name,
         tag=spec.tag,
         treedef=spec.treedef,
-        reduction=None,
+        kind=spec.kind,
         batch_dims=1,
-        effect=staging_active(),
-        remat_copy=False,
     )
+
+
+def _mark_order(sites) -> None:
+  seen = set()
+  for site in sites:
+    if site.name not in seen:
+      seen.add(site.name)
+      bind_sow(
+          [],
+          name=site.name,
+          tag=site.tag,
+          treedef=_NO_LEAVES,
+          reduction=site.reduction,
+          kind='order',
+      )
+
+
+_NO_LEAVES = jax.tree_util.tree_structure(())
 
 
 def _scan_batcher(jax_rule, axis_data, args, dims, **params):
@@ -73,6 +91,9 @@ def _scan_batcher(jax_rule, axis_data, args, dims, **params):
     return jax_rule(axis_data, args, dims, **params)
   # [consts, carry, xs] -> [carry, ys, entries]: the entries are extra ys.
   new_body, layout = rewrite_jaxpr(body, PLAIN_SOWS, ())
+  # The hoisted sows come after the scan; markers before it keep every name
+  # the body sows in its order of first sow.
+  _mark_order(sow_sites(body.jaxpr))
   outs, out_dims = jax_rule(axis_data, args, dims, **dict(params, jaxpr=new_body))
   n = len(outs) - layout.num_extra
   _sow_again(layout, outs[n:], out_dims[n:], axis_data.size)
@@ -80,6 +101,20 @@ def _scan_batcher(jax_rule, axis_data, args, dims, **params):
 
 
 def _cond_batcher(jax_rule, axis_data, args, dims, *, branches, **params):
+  if dims[0] is not None and staging_active():
+    reduced = [
+        s for b in branches for s in sow_sites(b.jaxpr)
+        if s.reduction is not None
+    ]
+    if reduced:
+      raise NotImplementedError(
+          f'sow {reduced[0].name!r}: a reduced sow inside `lax.cond`/'
+          '`lax.switch` whose predicate `jax.vmap` batches, inside a capture,'
+          ' would be reduced for every example in every branch (vmap runs'
+          ' all branches). Put the vmap around the capture'
+          ' (jax.vmap(capture(f))), or sow a plain value and reduce it'
+          ' afterwards.'
+      )
   if dims[0] is None or not any(_has_plain_sows(b) for b in branches):
     return jax_rule(axis_data, args, dims, branches=branches, **params)
   n_out = len(branches[0].out_avals)

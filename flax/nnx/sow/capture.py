@@ -43,6 +43,7 @@ import numpy as np
 
 from flax.nnx.sow import _jax
 from flax.nnx.sow import graph as graph_lib
+from flax.nnx.sow.primitive import MARKER_KINDS
 from flax.nnx.sow.primitive import Name
 from flax.nnx.sow.primitive import Reduction
 from flax.nnx.sow.primitive import sow_p
@@ -138,6 +139,7 @@ class EntrySpec(tp.NamedTuple):
   tag: tp.Hashable
   treedef: tp.Any
   size: int  # number of leaves
+  kind: str = 'value'  # or 'cotangent' (see primitive.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,9 +297,16 @@ class Collector:
     p = eqn.params
     if p['remat_copy'] or not self.accepts(p['tag'], p['reduction']):
       return _jax.bind_equation(eqn, invals)
+    if p['kind'] in MARKER_KINDS:
+      # Collects nothing; the name takes its place in the order of first
+      # sow here (a perturb's cotangent arrives later, in the backward pass).
+      self.names.setdefault(p['name'], None)
+      return invals
     invals = [x if _is_array(x) else jax.numpy.asarray(x) for x in invals]
     if p['reduction'] is None:
-      spec = EntrySpec(p['name'], p['tag'], p['treedef'], len(invals))
+      spec = EntrySpec(
+          p['name'], p['tag'], p['treedef'], len(invals), p['kind']
+      )
       self.add_entry(spec, invals)
     else:
       self.reduce(
@@ -395,17 +404,24 @@ class Collector:
   def result(self) -> Collected:
     """The ``collected`` dict: names in order of first sow."""
     plain: dict[Name, list[tp.Any]] = {}
+    backward: dict[Name, bool] = {}
     for spec, ls in self.entries:
       plain.setdefault(spec.name, []).append(
           jax.tree_util.tree_unflatten(spec.treedef, ls)
+      )
+      backward[spec.name] = backward.get(spec.name, True) and (
+          spec.kind == 'cotangent'
       )
     out = Collected()
     for name in self.names:
       if name in self.accumulators:
         acc = self.accumulators[name]
         out[name] = jax.tree_util.tree_unflatten(acc.treedef, acc.leaves)
-      else:
-        out[name] = tuple(plain.get(name, ()))
+      elif name in plain:
+        # Cotangents are sown by the backward pass, last call first.
+        values = plain[name][::-1] if backward[name] else plain[name]
+        out[name] = tuple(values)
+      # else: only a marker (a perturb never differentiated): nothing.
     return out
 
 
@@ -495,6 +511,7 @@ def edit_plain_sows(
   subst: dict[_jax.Var, tp.Any] = {}
   eqns = []
   entries = []
+  names = {}
   sown = []
   for eqn in jaxpr.eqns:
     p = eqn.params
@@ -507,10 +524,14 @@ def edit_plain_sows(
             for v in eqn.invars
         ]
         subst.update(zip(eqn.outvars, operands))
-        entries.append(
-            EntrySpec(p['name'], p['tag'], p['treedef'], len(operands))
-        )
-        sown.extend(operands)
+        names.setdefault(p['name'], None)
+        if p['kind'] not in MARKER_KINDS:
+          entries.append(
+              EntrySpec(
+                  p['name'], p['tag'], p['treedef'], len(operands), p['kind']
+              )
+          )
+          sown.extend(operands)
         continue
     elif any(
         accepts(accepts_key, s.tag, s.reduction)
@@ -530,10 +551,9 @@ def edit_plain_sows(
   outvars = [
       subst.get(v, v) if isinstance(v, _jax.Var) else v for v in jaxpr.outvars
   ]
-  names = tuple(dict.fromkeys(e.name for e in entries))
   return Edited(
       _jax.edit_jaxpr(jaxpr, eqns, [*outvars, *sown]),
-      Layout(tuple(entries), (), names),
+      Layout(tuple(entries), (), tuple(names)),
   )
 
 

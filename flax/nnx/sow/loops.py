@@ -137,6 +137,14 @@ def _while_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
         ' jnp.zeros(shape)), or use `lax.scan` / a fori_loop with static'
         ' bounds to stack them.'
     )
+  if cond.out_avals[0].shape and collector.accepted_sites([body]):
+    raise NotImplementedError(
+        f'sow {collector.accepted_sites([body])[0].name!r}: a reduced sow'
+        ' inside `lax.while_loop` whose predicate `jax.vmap` batches (inside'
+        ' the capture) cannot be collected: the loop runs until every'
+        ' example is done, so the reduction would also count finished'
+        ' examples. Put the vmap around the capture (jax.vmap(capture(f))).'
+    )
   rewritten, layout, acc_in = collector.prepare(body)
   n_acc = len(acc_in)
   n_carry = len(body.out_avals)

@@ -123,7 +123,9 @@ def _reduction(reduce_fn, init_fn, value):
   on the first call (``init_fn=lambda: 0`` with ``reduce_fn=operator.add``);
   the capture needs an accumulator of fixed shape and dtype, so the returned
   ``init_fn`` broadcasts the initial value to the accumulator's shape and
-  dtype when their pytree structures agree.
+  dtype when their pytree structures agree. Returns ``None`` when they do
+  not: the accumulator grows (``reduce_fn=lambda c, v: (*c, v)``), which no
+  fixed-type accumulator can hold.
   """
   init = init_fn()
   target = jax.eval_shape(reduce_fn, init, value)
@@ -138,11 +140,13 @@ def _reduction(reduce_fn, init_fn, value):
       str(_avals(target)),
   )
   with _REDUCTIONS_LOCK:
-    found = _REDUCTIONS.get(key)
-    if found is not None:
-      return found
+    if key in _REDUCTIONS:
+      return _REDUCTIONS[key]
     same_tree = jax.tree.structure(init) == jax.tree.structure(target)
-    if same_tree and init_avals != _avals(target):
+    if not same_tree:
+      _REDUCTIONS[key] = None
+      return None
+    if init_avals != _avals(target):
 
       def canonical_init(init_fn=init_fn, target=target):
         return jax.tree.map(
@@ -277,11 +281,15 @@ def module_sow(
   sow = _core_sow
   if reduce_fn is _TUPLE_REDUCE and init_fn is _TUPLE_INIT:
     sow(value, name=full, tag=variable_type)
+  elif (reduction := _reduction(reduce_fn, init_fn, value)) is None:
+    # A growing accumulator: collect every value, and fold reduce_fn over
+    # them from init_fn() when the State is built (as Flax reduces them).
+    scope.folds[full] = (reduce_fn, init_fn)
+    sow(value, name=full, tag=variable_type)
   else:
-    reduce_fn, init_fn = _reduction(reduce_fn, init_fn, value)
     sow(
-        value, name=full, tag=variable_type, reduce_fn=reduce_fn,
-        init_fn=init_fn,
+        value, name=full, tag=variable_type, reduce_fn=reduction[0],
+        init_fn=reduction[1],
     )
   return accepted
 
@@ -457,6 +465,9 @@ def _build_state(scope: Scope, collected, variable_type):
       if full not in collected:
         continue
       value = collected[full]
+      if full in scope.folds:
+        reduce_fn, init_fn = scope.folds[full]
+        value = functools.reduce(reduce_fn, value, init_fn())
     elif kind == 'perturb' and full in collected:
       value = _sum_entries(collected[full])
     else:  # 'perturb' without a cotangent, or 'perturb_init'

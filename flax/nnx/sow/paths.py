@@ -76,6 +76,8 @@ class Scope:
     self.nodes: dict[int, tuple[tp.Any, Path]] = {}
     self.structure: list = []
     self.records: dict[Path, tuple[str, type]] = {}
+    # Growing reductions, folded when the State is built (nnx_shims.py).
+    self.folds: dict[Path, tuple[tp.Callable, tp.Callable]] = {}
     self._by_graphdef: list | None = None
 
   def accepts(self, tag) -> bool:

@@ -14,51 +14,35 @@
 
 """``perturb``: an identity whose cotangent a capture collects.
 
-Forward, ``perturb`` is the identity. It is a ``jax.custom_vjp`` whose
-backward rule sows the arriving cotangent, so the cotangent is collected when
-the function is differentiated inside a ``capture`` (``capture(jax.grad(f))``)
-and nothing is collected otherwise.
+Forward, ``perturb`` binds a marker (``sow_p`` of kind ``'perturb'``) that
+collects nothing. Its JVP routes the tangent through ``perturb_tangent_p``, a
+linear identity whose transpose sows the arriving cotangent (kind
+``'cotangent'``). So the cotangent is collected when the function is
+differentiated in reverse mode inside a ``capture``
+(``capture(jax.grad(f))``), nothing is collected otherwise, and forward-mode
+differentiation (``jax.jvp``, ``jax.jacfwd``) sees an identity.
 """
 
 from __future__ import annotations
 
-import functools
 import typing as tp
 
-import jax
-
 from flax.nnx.sow import primitive
-
-
-@functools.lru_cache(maxsize=4096)
-def _perturb_fn(name, tag, treedef):
-  @jax.custom_vjp
-  def identity(*leaves):
-    return leaves
-
-  def fwd(*leaves):
-    return leaves, None
-
-  def bwd(_, cts):
-    sown = primitive.sow(
-        jax.tree_util.tree_unflatten(treedef, list(cts)), name=name, tag=tag
-    )
-    return tuple(jax.tree_util.tree_leaves(sown))
-
-  identity.defvjp(fwd, bwd)
-  return identity
 
 
 def perturb(value: tp.Any, *, name: primitive.Name,
             tag: tp.Hashable = None) -> tp.Any:
   """Marks ``value`` so that a capture collects the cotangent arriving at it.
 
-  Identity in the forward pass. When the function is differentiated inside a
-  :func:`~flax.nnx.sow.capture`, the cotangent of ``value`` (same structure,
-  shapes and dtypes as ``value``) is collected under ``name``: a tuple of
-  pytrees, stacked per iteration inside loops. Without differentiation nothing
-  is collected. This plays the role of Flax's ``Module.perturb`` and of oryx's
-  ``plant``-based gradient capture, without an initialisation pass.
+  Identity in the forward pass and under every transform. When the function
+  is differentiated in reverse mode inside a :func:`~flax.nnx.sow.capture`,
+  the cotangent of ``value`` (same structure, shapes and dtypes as ``value``)
+  is collected under ``name``: a tuple of pytrees in call order, stacked per
+  iteration inside loops. Without differentiation nothing is collected, and a
+  value the differentiated inputs do not reach gets no cotangent (nothing is
+  collected for it either). This plays the role of Flax's
+  ``Module.perturb`` and of oryx's ``plant``-based gradient capture, without
+  an initialisation pass.
 
   >>> import jax, jax.numpy as jnp
   >>> from flax.nnx.sow import capture, perturb
@@ -83,5 +67,9 @@ def perturb(value: tp.Any, *, name: primitive.Name,
   primitive.check_name(name, 'perturb')
   primitive.check_tag(tag, name, 'perturb')
   leaves, treedef = primitive.array_leaves(value, name, 'perturb')
-  out = _perturb_fn(name, tag, treedef)(*leaves)
-  return jax.tree_util.tree_unflatten(treedef, list(out))
+  if primitive.is_eager():
+    return value
+  out = primitive.bind_sow(
+      leaves, name=name, tag=tag, treedef=treedef, kind='perturb'
+  )
+  return primitive.unflatten(treedef, out)

@@ -74,18 +74,33 @@ sow_p = _jax.Primitive('sow')
 sow_p.multiple_results = True
 
 
-# ``remat_copy=True`` marks the copy of a sow that partial evaluation leaves in
-# a rematerialised (recomputed) program: an identity without effect that no
-# capture collects, so a sow inside ``jax.checkpoint`` is collected once and
-# does not force its value to be saved as a residual.
+# The parameters of a sow equation, besides ``name``, ``tag``, ``treedef`` and
+# ``reduction``:
+#
+# * ``kind``: ``'value'`` for ``sow``; ``'cotangent'`` for the cotangent a
+#   ``perturb`` collects (in the backward pass, so in reverse order: a capture
+#   puts such entries back in call order); ``'perturb'`` for ``perturb``'s
+#   forward marker, which collects nothing but says where the name is first
+#   used and gives the tangent its ``perturb_tangent_p``; ``'order'`` for a
+#   marker that only says where a name is first used (``batching.py``).
+# * ``batch_dims``: the leading axes that ``jax.vmap`` added to the value. A
+#   capture folds a reduced sow's ``reduce_fn`` over them, so under vmap every
+#   example is reduced into the one accumulator, as if ``f`` had run once per
+#   example.
+# * ``effect``: whether the sow carries ``SowEffect``: true for a sow staged
+#   while a capture stages its function (see ``staging``), so that an unused
+#   sow survives dead-code elimination until the capture collects it; false
+#   otherwise, where nothing can collect it: the sow is then an ordinary
+#   identity, removed by dead-code elimination and invisible to ``jax.jit``'s
+#   dispatch (an effect would disable its C++ fast path).
+# * ``remat_copy``: the copy of a sow that partial evaluation leaves in a
+#   rematerialised (recomputed) program: an identity without effect that no
+#   capture collects, so a sow inside ``jax.checkpoint`` is collected once
+#   and does not force its value to be saved as a residual.
 
+KINDS = ('value', 'cotangent', 'perturb', 'order')
+MARKER_KINDS = ('perturb', 'order')
 
-# ``effect`` is whether the sow carries ``SowEffect``: true for a sow staged
-# while a capture stages its function (see ``staging``), so that an unused
-# sow survives dead-code elimination until the capture collects it; false
-# otherwise, where nothing can collect it: the sow is then an ordinary
-# identity, removed by dead-code elimination and invisible to ``jax.jit``'s
-# dispatch (an effect would disable its C++ fast path).
 _STAGING = jax.make_user_context(False)
 
 
@@ -102,10 +117,28 @@ def staging_active() -> bool:
   return bool(_STAGING.value)
 
 
-# ``batch_dims`` counts the leading axes that ``jax.vmap`` added to a sown
-# value. A capture folds a reduced sow's ``reduce_fn`` over them, so under
-# vmap every example is reduced into the one accumulator, as if ``f`` had
-# run once per example.
+def bind_sow(
+    leaves,
+    *,
+    name: Name,
+    tag: tp.Hashable,
+    treedef,
+    reduction: Reduction | None = None,
+    kind: str = 'value',
+    batch_dims: int = 0,
+) -> list[tp.Any]:
+  """Binds ``sow_p`` (effectful while a capture stages)."""
+  return sow_p.bind(
+      *leaves,
+      name=name,
+      tag=tag,
+      treedef=treedef,
+      reduction=reduction,
+      kind=kind,
+      batch_dims=batch_dims,
+      effect=staging_active(),
+      remat_copy=False,
+  )
 
 
 @sow_p.def_impl
@@ -120,28 +153,51 @@ def _sow_abstract_eval(*avals, effect, remat_copy, **params):
   return avals, {sow_effect} if effect and not remat_copy else set()
 
 
-def _sow_lowering(ctx, *leaves, **params):
+def _identity_lowering(ctx, *leaves, **params):
   del ctx, params
   return leaves
 
 
-_jax.register_lowering(sow_p, _sow_lowering)
+_jax.register_lowering(sow_p, _identity_lowering)
 
 
 def _sow_jvp(primals, tangents, **params):
-  # A sow marks the primal value; tangents pass through untouched, so the
-  # transpose never meets sow_p (cotangents are ``perturb``'s job).
-  return sow_p.bind(*primals, **params), list(tangents)
+  # A sow marks the primal value; tangents pass through untouched (so
+  # ``jax.grad`` collects primals). A ``perturb`` marker routes its tangent
+  # through ``perturb_tangent_p``, whose transpose sows the cotangent.
+  out = sow_p.bind(*primals, **params)
+  if params['kind'] != 'perturb' or all(
+      type(t) is _jax.Zero for t in tangents
+  ):
+    return out, list(tangents)
+  tangents = [_jax.instantiate_zeros(t) for t in tangents]
+  return out, perturb_tangent_p.bind(
+      *tangents, name=params['name'], tag=params['tag'],
+      treedef=params['treedef'],
+  )
 
 
 _jax.primitive_jvps[sow_p] = _sow_jvp
 
 
+def _sow_transpose(cts, *args, **params):
+  # A sow on a tangent (e.g. in a custom_jvp rule) is the identity: the
+  # cotangent passes through and nothing is sown on it.
+  del args, params
+  return list(cts)
+
+
+_jax.primitive_transposes[sow_p] = _sow_transpose
+
+
 def _sow_batch(axis_data, leaves, dims, **params):
-  # Sown values come back with the mapped axis first, like vmap's outputs.
+  # The sown value gets the mapped axis first, like vmap's outputs; the
+  # results keep the operands' own axes, so the sow stays an identity.
   moved = [mapped_axis_first(x, d, axis_data.size) for x, d in zip(leaves, dims)]
   params = dict(params, batch_dims=params['batch_dims'] + 1)
-  return sow_p.bind(*moved, **params), [0] * len(moved)
+  outs = sow_p.bind(*moved, **params)
+  outs = [o if d is not None else x for o, x, d in zip(outs, leaves, dims)]
+  return outs, [None if d is None else 0 for d in dims]
 
 
 def mapped_axis_first(x, dim: int | None, size: int):
@@ -152,6 +208,44 @@ def mapped_axis_first(x, dim: int | None, size: int):
 
 
 _jax.fancy_primitive_batchers[sow_p] = _sow_batch
+
+
+# ``perturb_tangent_p``: the tangent of a perturbed value. Linear, the
+# identity; its transpose sows the cotangent (kind ``'cotangent'``).
+perturb_tangent_p = _jax.Primitive('perturb_tangent')
+perturb_tangent_p.multiple_results = True
+perturb_tangent_p.def_impl(_sow_impl)
+perturb_tangent_p.def_abstract_eval(lambda *avals, **params: avals)
+_jax.register_lowering(perturb_tangent_p, _identity_lowering)
+
+
+def _perturb_tangent_jvp(primals, tangents, **params):
+  tangents = [_jax.instantiate_zeros(t) for t in tangents]
+  return (
+      perturb_tangent_p.bind(*primals, **params),
+      perturb_tangent_p.bind(*tangents, **params),
+  )
+
+
+def _perturb_tangent_transpose(cts, *args, name, tag, treedef):
+  cts = [
+      _jax.instantiate_zeros(ct)
+      if type(ct) is _jax.Zero
+      else ct
+      for ct in cts
+  ]
+  del args
+  return bind_sow(cts, name=name, tag=tag, treedef=treedef, kind='cotangent')
+
+
+def _perturb_tangent_batch(axis_data, leaves, dims, **params):
+  del axis_data
+  return perturb_tangent_p.bind(*leaves, **params), list(dims)
+
+
+_jax.primitive_jvps[perturb_tangent_p] = _perturb_tangent_jvp
+_jax.primitive_transposes[perturb_tangent_p] = _perturb_tangent_transpose
+_jax.fancy_primitive_batchers[perturb_tangent_p] = _perturb_tangent_batch
 
 
 def _sow_partial_eval_custom(saveable, unks_in, inst_in, eqn):
@@ -247,8 +341,13 @@ def array_leaves(value: tp.Any, name: Name, what: str = 'sow'):
   return leaves, treedef
 
 
-def _eager() -> bool:
+def is_eager() -> bool:
+  """Whether no transform is tracing (a sow is then returned as it is)."""
   return isinstance(_jax.trace_ctx.trace, _jax.core.EvalTrace)
+
+
+def unflatten(treedef, leaves):
+  return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def sow(
@@ -308,17 +407,9 @@ def sow(
         ' every value.'
     )
   leaves, treedef = array_leaves(value, name)
-  if _eager():
+  if is_eager():
     return value
   reduction = None if reduce_fn is None else Reduction(reduce_fn, init_fn)
-  out = sow_p.bind(
-      *leaves,
-      name=name,
-      tag=tag,
-      treedef=treedef,
-      reduction=reduction,
-      batch_dims=0,
-      effect=staging_active(),
-      remat_copy=False,
-  )
+  out = bind_sow(leaves, name=name, tag=tag, treedef=treedef,
+                 reduction=reduction)
   return jax.tree_util.tree_unflatten(treedef, out)

@@ -125,7 +125,11 @@ def collected_to_state(
           f'collected_to_state: {name!r} is both a sown name and the prefix of'
           ' another sown name; rename one of them.'
       )
-    node[path[-1]] = _variable_type(variable_type, name)(value)
+    # A plain Variable: a result holds values, not mutable references (a
+    # Hijax default would make one inside jax.jit fail).
+    node[path[-1]] = _variable_type(variable_type, name)(
+        value, hijax=False, ref=False
+    )
   return root
 
 

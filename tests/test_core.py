@@ -948,6 +948,8 @@ class ErrorTest(parameterized.TestCase):
   def test_bad_tags_argument(self):
     with self.assertRaises(TypeError):
       capture(lambda x: x, tags=3)
+    with self.assertRaisesRegex(TypeError, 'capture: every tag must be'):
+      capture(lambda x: x, tags=[['t']])
 
 
 # ----------------------------------------------------------------------------

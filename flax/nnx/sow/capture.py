@@ -719,7 +719,13 @@ def capture(
         f' write tags=({tags!r},) to collect one tag.'
     )
   else:
-    accepts_key = frozenset(tags)
+    try:
+      accepts_key = frozenset(tags)
+    except TypeError:
+      raise TypeError(
+          f'capture: every tag must be hashable (tags are compared with the'
+          f' tag= of each sow), got tags={tags!r}.'
+      ) from None
 
   @functools.wraps(f)
   def captured(*args, **kwargs):

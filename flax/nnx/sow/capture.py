@@ -779,34 +779,51 @@ def stage_and_collect(
     )
   out_tree, static_out, out_is_array = out_box[-1]
   collector = Collector(accepts_key)
-  edited = edit_plain_sows(closed.jaxpr, accepts_key)
-  if edited is None:
-    outs = eval_collecting(closed.jaxpr, closed.consts, arrays, collector)
-  else:
-    outs = _jax.eval_into_current_trace(edited.jaxpr, closed.consts, arrays)
-    n_out = len(outs) - edited.layout.num_extra
-    collector.absorb(edited.layout, outs[n_out:])
-    outs = outs[:n_out]
-  outs = iter(outs)
+  outs = iter(collect_program(closed, arrays, collector))
   out_leaves = [
       next(outs) if o else x for x, o in zip(static_out, out_is_array)
   ]
   return jax.tree_util.tree_unflatten(out_tree, out_leaves), collector.result()
 
 
+def collect_program(
+    closed: _jax.ClosedJaxpr, args: tp.Sequence[tp.Any], collector: Collector
+) -> list[tp.Any]:
+  """Evaluates a staged program on the current trace, collecting its sows.
+
+  The jaxpr edit (:func:`edit_plain_sows`) where it suffices, the
+  interpreter (:func:`eval_collecting`) otherwise.
+  """
+  edited = edit_plain_sows(closed.jaxpr, collector.accepts_key)
+  if edited is None:
+    return eval_collecting(closed.jaxpr, closed.consts, args, collector)
+  outs = _jax.eval_into_current_trace(edited.jaxpr, closed.consts, args)
+  n_out = len(outs) - edited.layout.num_extra
+  collector.absorb(edited.layout, outs[n_out:])
+  return outs[:n_out]
+
+
 def rewrite_program(
-    closed: _jax.ClosedJaxpr, tags: tp.Iterable[tp.Hashable] | None = None
+    closed: _jax.ClosedJaxpr,
+    tags: tp.Iterable[tp.Hashable] | None = None,
+    *,
+    edit: bool = True,
 ) -> _jax.ClosedJaxpr:
   """The rewrite alone: ``closed`` returning its outputs, then every leaf of
   the collected values (in the order of ``capture``'s ``collected``).
 
-  Used by the benchmarks to time the rewrite separately from tracing ``f``.
+  Used by the benchmarks to time the rewrite separately from tracing ``f``:
+  ``edit=True`` times what ``capture`` does (:func:`collect_program`),
+  ``edit=False`` the interpreter alone.
   """
   accepts_key = None if tags is None else frozenset(tags)
 
   def fn(*args):
     collector = Collector(accepts_key)
-    outs = eval_collecting(closed.jaxpr, closed.consts, args, collector)
+    if edit:
+      outs = collect_program(closed, args, collector)
+    else:
+      outs = eval_collecting(closed.jaxpr, closed.consts, args, collector)
     return [*outs, *jax.tree_util.tree_leaves(collector.result())]
 
   return _jax.trace_to_closed_jaxpr(fn, closed.in_avals, 'rewrite_program')

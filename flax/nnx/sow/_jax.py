@@ -47,7 +47,6 @@ Literal = core.Literal
 Var = core.Var
 Primitive = core.Primitive
 Effect = effects.Effect
-SymbolicZero = custom_derivatives.SymbolicZero
 Zero = ad.Zero
 
 jit_p = pjit.jit_p
@@ -61,9 +60,7 @@ while_p = lax_control_flow.while_p
 cond_p = lax_control_flow.cond_p
 
 typeof = core.typeof
-jaxpr_as_fun = core.jaxpr_as_fun
 eval_jaxpr = core.eval_jaxpr
-find_top_trace = core.find_top_trace
 trace_ctx = core.trace_ctx
 convert_constvars_jaxpr = pe.convert_constvars_jaxpr
 primitive_jvps = ad.primitive_jvps

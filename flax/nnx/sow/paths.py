@@ -238,18 +238,3 @@ def locate(obj, tag) -> tuple[Scope, Path, bool] | None:
       if path is not None:
         return scope, path, False
   return None
-
-
-def module_scope(nodes, tags=None) -> ActiveScope:
-  """A context in which ``Module.sow`` names modules by path from ``nodes``.
-
-  For the functional ``capture`` when it merges graph nodes itself: enter it
-  around the call of ``f`` with the merged (inner) graph nodes, each a root
-  whose modules sow under ``(*path, name)``; ``tags`` are the capture's tags
-  (``None``: all), which decide what ``Module.sow`` returns.
-  """
-  scope = Scope('functional', None if tags is None else frozenset(tags))
-  for node in nodes:
-    if _graphlib.is_graph_node(node) and not isinstance(node, nnx.Variable):
-      scope.add_root(node)
-  return ActiveScope(scope)

@@ -98,7 +98,6 @@ sow_p.multiple_results = True
 #   capture collects, so a sow inside ``jax.checkpoint`` is collected once
 #   and does not force its value to be saved as a residual.
 
-KINDS = ('value', 'cotangent', 'perturb', 'order')
 MARKER_KINDS = ('perturb', 'order')
 
 _STAGING = jax.make_user_context(False)

@@ -384,6 +384,14 @@ class Collector:
     for spec in layout.reduced:
       self.names.setdefault(spec.name, None)
 
+  def split_outputs(
+      self, layout: Layout, outs: tp.Sequence[tp.Any], n_out: int
+  ) -> list[tp.Any]:
+    """Absorbs the extra outputs after the first ``n_out``; returns those."""
+    outs = list(outs)
+    self.absorb(layout, outs[n_out:])
+    return outs[:n_out]
+
   def layout(self, specs: tuple[ReducedSpec, ...]) -> Layout:
     entries = tuple(spec for spec, _ in self.entries)
     reduced = tuple(

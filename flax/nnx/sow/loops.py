@@ -307,8 +307,7 @@ def _cond_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
   outs = _jax.cond_p.bind(
       index, *acc_in, *ops, **dict(eqn.params, branches=new_branches)
   )
-  collector.absorb(layout, outs[n_out:])
-  return outs[:n_out]
+  return collector.split_outputs(layout, outs, n_out)
 
 
 collect_rules[_jax.cond_p] = _cond_rule

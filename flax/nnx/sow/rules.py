@@ -60,9 +60,7 @@ def _jit_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
           donated_invars=(False,) * n_acc + tuple(p['donated_invars']),
       ),
   )
-  outs, extra = _split(outs, len(eqn.outvars))
-  collector.absorb(layout, extra)
-  return outs
+  return collector.split_outputs(layout, outs, len(eqn.outvars))
 
 
 collect_rules[_jax.jit_p] = _jit_rule
@@ -100,9 +98,7 @@ def _remat_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
   outs = _jax.remat_p.bind(
       *consts, *acc_in, *invals, **dict(p, jaxpr=open_jaxpr)
   )
-  outs, extra = _split(outs, len(eqn.outvars))
-  collector.absorb(layout, extra)
-  return outs
+  return collector.split_outputs(layout, outs, len(eqn.outvars))
 
 
 collect_rules[_jax.remat_p] = _remat_rule
@@ -143,9 +139,7 @@ def _custom_jvp_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
       ),
       symbolic_zeros=p['symbolic_zeros'],
   )
-  outs, extra = _split(outs, n_out)
-  collector.absorb(layout, extra)
-  return outs
+  return collector.split_outputs(layout, outs, n_out)
 
 
 collect_rules[_jax.custom_jvp_call_p] = _custom_jvp_rule
@@ -196,9 +190,7 @@ def _custom_vjp_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
       out_trees=out_trees,
       symbolic_zeros=p['symbolic_zeros'],
   )
-  outs, extra = _split(outs, n_out)
-  collector.absorb(layout, extra)
-  return outs
+  return collector.split_outputs(layout, outs, n_out)
 
 
 collect_rules[_jax.custom_vjp_call_p] = _custom_vjp_rule

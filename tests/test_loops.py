@@ -87,6 +87,40 @@ class VmapReducedErrorTest(absltest.TestCase):
     self.assertEqual(int(collected['red']), 6)
 
 
+class PerturbInVmappedScanTest(absltest.TestCase):
+
+  def test_cotangents_collected_when_vmap_is_inside_grad(self):
+    # vmap hoists plain sows out of the scan, but leaves perturb markers in
+    # place, so the differentiation still sees them.
+    def f(x):
+      def step(c, t):
+        h = perturb(jnp.sin(c * t), name='h')
+        return c + h, None
+
+      return jax.lax.scan(step, x, jnp.arange(1.0, 4.0))[0]
+
+    xs = np.array([0.3, -0.2], np.float32)
+    grad, collected = capture(jax.grad(lambda x: jax.vmap(f)(x).sum()))(xs)
+
+    def backward(x):  # dL/dh_t for L = c_3, c_t = c_{t-1} + sin(c_{t-1} t)
+      cs = [x]
+      for t in (1.0, 2.0, 3.0):
+        cs.append(cs[-1] + np.sin(cs[-1] * t))
+      dc = 1.0
+      dh = [0.0, 0.0, 0.0]
+      for i, t in reversed(list(enumerate((1.0, 2.0, 3.0)))):
+        dh[i] = dc  # c_{i+1} = c_i + h_i
+        dc = dc * (1.0 + np.cos(cs[i] * t) * t)
+      return np.array(dh), dc
+
+    expected = [backward(float(x)) for x in xs]
+    np.testing.assert_allclose(grad, [e[1] for e in expected], rtol=1e-5)
+    # The transposed scan runs after vmap is gone: (steps, batch).
+    np.testing.assert_allclose(
+        collected['h'][0], np.stack([e[0] for e in expected], 1), rtol=1e-5
+    )
+
+
 def _add(acc, v):
   return acc + v
 

@@ -37,6 +37,7 @@ from flax.nnx.sow import _jax
 from flax.nnx.sow import loops
 from flax.nnx.sow.capture import Layout
 from flax.nnx.sow.capture import PLAIN_SOWS
+from flax.nnx.sow.capture import accepts
 from flax.nnx.sow.capture import rewrite_jaxpr
 from flax.nnx.sow.capture import sow_sites
 from flax.nnx.sow.primitive import mapped_axis_first
@@ -45,7 +46,10 @@ from flax.nnx.sow.primitive import staging_active
 
 
 def _has_plain_sows(closed: _jax.ClosedJaxpr) -> bool:
-  return any(s.reduction is None for s in sow_sites(closed.jaxpr))
+  return any(
+      accepts(PLAIN_SOWS, s.tag, s.reduction, s.kind)
+      for s in sow_sites(closed.jaxpr)
+  )
 
 
 def _sow_again(layout: Layout, values, dims, axis_size) -> None:

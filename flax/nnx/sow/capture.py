@@ -74,6 +74,7 @@ class SowSite:
   name: Name
   tag: tp.Hashable
   reduction: Reduction | None
+  kind: str = 'value'
 
 
 _sites_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -91,7 +92,7 @@ def sow_sites(jaxpr: _jax.Jaxpr) -> tuple[SowSite, ...]:
     if eqn.primitive is sow_p:
       p = eqn.params
       if not p['remat_copy']:
-        sites.append(SowSite(p['name'], p['tag'], p['reduction']))
+        sites.append(SowSite(p['name'], p['tag'], p['reduction'], p['kind']))
     else:
       for sub in _jax.jaxprs_in_params(eqn.params):
         sites.extend(sow_sites(sub))
@@ -189,10 +190,13 @@ def accepts(
     accepts_key: frozenset | None | object,
     tag: tp.Hashable,
     reduction: Reduction | None,
+    kind: str = 'value',
 ) -> bool:
   """Whether a capture with ``accepts_key`` collects a sow of ``tag``."""
   if accepts_key is PLAIN_SOWS:
-    return reduction is None
+    # Hoisting moves values; markers stay where they are (a perturb marker
+    # must meet the JVP there).
+    return reduction is None and kind not in MARKER_KINDS
   return accepts_key is None or tag in accepts_key
 
 
@@ -212,8 +216,10 @@ class Collector:
 
   # -- which sows this capture takes --------------------------------------
 
-  def accepts(self, tag: tp.Hashable, reduction: Reduction | None) -> bool:
-    return accepts(self.accepts_key, tag, reduction)
+  def accepts(
+      self, tag: tp.Hashable, reduction: Reduction | None, kind: str = 'value'
+  ) -> bool:
+    return accepts(self.accepts_key, tag, reduction, kind)
 
   def accepted_sites(
       self, jaxprs: tp.Iterable[_jax.Jaxpr | _jax.ClosedJaxpr]
@@ -222,12 +228,12 @@ class Collector:
         s
         for j in jaxprs
         for s in sow_sites(as_jaxpr(j))
-        if self.accepts(s.tag, s.reduction)
+        if self.accepts(s.tag, s.reduction, s.kind)
     ]
 
   def has_work(self, jaxprs) -> bool:
     return any(
-        self.accepts(s.tag, s.reduction)
+        self.accepts(s.tag, s.reduction, s.kind)
         for j in jaxprs
         for s in sow_sites(as_jaxpr(j))
     )
@@ -295,7 +301,9 @@ class Collector:
 
   def on_sow(self, eqn: _jax.JaxprEqn, invals: list[tp.Any]) -> list[tp.Any]:
     p = eqn.params
-    if p['remat_copy'] or not self.accepts(p['tag'], p['reduction']):
+    if p['remat_copy'] or not self.accepts(
+        p['tag'], p['reduction'], p['kind']
+    ):
       return _jax.bind_equation(eqn, invals)
     if p['kind'] in MARKER_KINDS:
       # Collects nothing; the name takes its place in the order of first
@@ -524,7 +532,7 @@ def edit_plain_sows(
   for eqn in jaxpr.eqns:
     p = eqn.params
     if eqn.primitive is sow_p and not p['remat_copy']:
-      if accepts(accepts_key, p['tag'], p['reduction']):
+      if accepts(accepts_key, p['tag'], p['reduction'], p['kind']):
         if p['reduction'] is not None:
           return None
         operands = [
@@ -542,7 +550,7 @@ def edit_plain_sows(
           sown.extend(operands)
         continue
     elif any(
-        accepts(accepts_key, s.tag, s.reduction)
+        accepts(accepts_key, s.tag, s.reduction, s.kind)
         for sub in _jax.jaxprs_in_params(p)
         for s in sow_sites(sub)
     ):

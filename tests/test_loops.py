@@ -450,16 +450,17 @@ class ReducedTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, 'bad_while_acc'):
       capture(f)(jnp.float32(0.0))
 
-  def test_different_reduce_fns_is_value_error(self):
+  def test_each_site_folds_with_its_own_reduce_fn(self):
     def f(x):
       sow(x, name='mixed', reduce_fn=_add, init_fn=_zero)
-      sow(x, name='mixed', reduce_fn=_max, init_fn=_zero)
+      sow(x * 3.0, name='mixed', reduce_fn=_max, init_fn=_neg_inf)
       return x
 
-    with self.assertRaisesRegex(ValueError, 'mixed'):
-      capture(f)(jnp.float32(1.0))
+    # 0 + 2 = 2 (first site, init from its init_fn), then max(2, 6) = 6.
+    _, collected = capture(f)(jnp.float32(2.0))
+    self.assertEqual(float(collected['mixed']), 6.0)
 
-  def test_different_reduce_fns_across_scan_is_value_error(self):
+  def test_sites_with_different_reduce_fns_across_scan(self):
     def f(xs):
       sow(xs[0], name='mixed_scan', reduce_fn=_add, init_fn=_zero)
 
@@ -469,8 +470,10 @@ class ReducedTest(parameterized.TestCase):
 
       return jax.lax.scan(body, jnp.float32(0.0), xs)[0]
 
-    with self.assertRaisesRegex(ValueError, 'mixed_scan'):
-      capture(f)(np.ones(3, np.float32))
+    xs = np.array([5.0, 1.0, 7.0, 2.0], np.float32)
+    _, collected = capture(f)(xs)
+    # init 0 (first site's init_fn), + 5, then max over 5, 1, 7, 2.
+    self.assertEqual(float(collected['mixed_scan']), 7.0)
 
   def test_reduced_and_plain_same_name_is_value_error(self):
     def f(x):

@@ -24,6 +24,7 @@ Importing this package also installs the NNX shims (``nnx_shims.install()``):
 """
 
 from flax.nnx.sow import batching as _batching  # hoists sows under vmap
+from flax.nnx.sow import invariance as _invariance  # loop-invariant sows
 from flax.nnx.sow import loops as _loops  # registers the loop rules
 from flax.nnx.sow import nnx_shims
 from flax.nnx.sow import rules as _rules  # registers the call-like rules
@@ -35,6 +36,7 @@ from flax.nnx.sow.perturb import perturb
 from flax.nnx.sow.primitive import sow
 from flax.nnx.sow.primitive import sow_p
 from flax.nnx.sow.state import collected_to_state
+from flax.nnx.sow.state import flatten_names
 from flax.nnx.sow.state import state_to_collected
 
 nnx_shims.install()
@@ -44,6 +46,7 @@ __all__ = [
     'capture',
     'collect_rules',
     'collected_to_state',
+    'flatten_names',
     'nnx_shims',
     'perturb',
     'sow',
@@ -52,4 +55,4 @@ __all__ = [
     'state_to_collected',
 ]
 
-del _batching, _loops, _rules
+del _batching, _invariance, _loops, _rules

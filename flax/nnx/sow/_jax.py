@@ -48,6 +48,7 @@ Var = core.Var
 Primitive = core.Primitive
 Effect = effects.Effect
 Zero = ad.Zero
+ShapedArray = core.ShapedArray
 
 jit_p = pjit.jit_p
 closed_call_p = core.closed_call_p
@@ -72,6 +73,20 @@ partial_eval_jaxpr_custom_rules = pe.partial_eval_jaxpr_custom_rules
 new_jaxpr_eqn = pe.new_jaxpr_eqn
 user_context = source_info_util.user_context
 current_name_stack = source_info_util.current_name_stack
+
+
+def summarize_source(source_info) -> str:
+  """``file:line:column (function)`` of the user's frame in ``source_info``."""
+  return source_info_util.summarize(source_info)
+
+
+def exclude_from_source_info(path: str) -> None:
+  """Makes frames under ``path`` count as library frames, not the user's.
+
+  Errors that name where a sow was called then point at the user's line,
+  not at this package's ``sow``.
+  """
+  source_info_util.register_exclusion(path)
 
 
 def is_ref(x: tp.Any) -> bool:
@@ -164,8 +179,13 @@ def eval_into_current_trace(
   trace = trace_ctx.trace
   if isinstance(trace, pe.DynamicJaxprTrace) and not trace.requires_low:
     src = source_info_util.current()
-    tracers = [trace.to_jaxpr_tracer(x, src) for x in args]
-    outs = pe.inline_jaxpr_into_trace(trace, src, jaxpr, consts, *tracers)
+    # Constants may be tracers of this very trace (``f`` closed over a
+    # ``jit``'s argument or a scan's carry): they enter as inputs, which
+    # ``to_jaxpr_tracer`` keeps as they are, never as literal constants.
+    tracers = [trace.to_jaxpr_tracer(x, src) for x in (*consts, *args)]
+    outs = pe.inline_jaxpr_into_trace(
+        trace, src, convert_constvars_jaxpr(jaxpr), (), *tracers
+    )
     # An input returned as it is comes back as the caller's own object.
     inputs = dict(zip(jaxpr.invars, args))
     outs = [
@@ -189,3 +209,21 @@ def edit_jaxpr(
       eqns=eqns, outvars=outvars, effects=effects_, debug_info=debug
   )
 
+
+
+def wrap_bind(primitive: Primitive, wrapper: tp.Callable) -> None:
+  """Routes ``primitive.bind(*args, **params)`` through ``wrapper``.
+
+  ``wrapper(bind, *args, **params)`` receives the original ``bind``. Used
+  for the one primitive (``scan``) whose operands a capture must see before
+  any transform's rule runs (``invariance.py``). Idempotent.
+  """
+  if getattr(primitive.bind, '_sow_wrapped', False):
+    return
+  original = primitive.bind
+
+  def bind(*args, **params):
+    return wrapper(original, *args, **params)
+
+  bind._sow_wrapped = True  # pylint: disable=protected-access
+  primitive.bind = bind

@@ -42,7 +42,9 @@ from flax.nnx.sow.capture import rewrite_jaxpr
 from flax.nnx.sow.capture import sow_sites
 from flax.nnx.sow.primitive import mapped_axis_first
 from flax.nnx.sow.primitive import bind_sow
+from flax.nnx.sow.primitive import MARKER_KINDS
 from flax.nnx.sow.primitive import staging_active
+from flax.nnx.sow.primitive import staging_captures
 
 
 def _has_plain_sows(closed: _jax.ClosedJaxpr) -> bool:
@@ -112,7 +114,8 @@ def _cond_batcher(jax_rule, axis_data, args, dims, *, branches, **params):
     ]
     if reduced:
       raise NotImplementedError(
-          f'sow {reduced[0].name!r}: a reduced sow inside `lax.cond`/'
+          f'sow {reduced[0].name!r}{reduced[0].where}: a reduced sow inside'
+          ' `lax.cond`/'
           '`lax.switch` whose predicate `jax.vmap` batches, inside a capture,'
           ' would be reduced for every example in every branch (vmap runs'
           ' all branches). Put the vmap around the capture'
@@ -124,11 +127,21 @@ def _cond_batcher(jax_rule, axis_data, args, dims, *, branches, **params):
   n_out = len(branches[0].out_avals)
   try:
     new_branches, layout = loops.align_branches(
-        [rewrite_jaxpr(b, PLAIN_SOWS, ()) for b in branches], n_out
+        [rewrite_jaxpr(b, PLAIN_SOWS, ()) for b in branches], n_out, branches
     )
   except ValueError:
-    # Mismatched branches are a capture error, reported when one collects
-    # them; outside a capture the sows stay identities in both branches.
+    # Mismatched branches: outside a capture the sows stay identities in
+    # every branch. Under a capture that collects them, vmap would run every
+    # branch and collect a value for every example, also those that took
+    # another branch, so it is the error it is without vmap.
+    if any(
+        accepts(key, s.tag, s.reduction, s.kind)
+        for key in staging_captures()
+        for b in branches
+        for s in sow_sites(b.jaxpr)
+        if s.reduction is None and s.kind not in MARKER_KINDS
+    ):
+      raise
     return jax_rule(axis_data, args, dims, branches=branches, **params)
   outs, out_dims = jax_rule(
       axis_data, args, dims, branches=new_branches, **params

@@ -75,6 +75,24 @@ class SowSite:
   tag: tp.Hashable
   reduction: Reduction | None
   kind: str = 'value'
+  # Where the sow was called, and what it sows (one example's avals).
+  eqn: _jax.JaxprEqn | None = dataclasses.field(default=None, compare=False)
+
+  @property
+  def where(self) -> str:
+    return '' if self.eqn is None else where(self.eqn)
+
+  def value_avals(self) -> tuple[tp.Any, ...]:
+    b = self.eqn.params['batch_dims']
+    return tuple(
+        _jax.ShapedArray(v.aval.shape[b:], v.aval.dtype)
+        for v in self.eqn.invars
+    )
+
+
+def where(eqn: _jax.JaxprEqn) -> str:
+  """`` (at file:line)`` of the user's call that staged ``eqn``."""
+  return f' (at {_jax.summarize_source(eqn.source_info)})'
 
 
 _sites_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -92,7 +110,9 @@ def sow_sites(jaxpr: _jax.Jaxpr) -> tuple[SowSite, ...]:
     if eqn.primitive is sow_p:
       p = eqn.params
       if not p['remat_copy']:
-        sites.append(SowSite(p['name'], p['tag'], p['reduction'], p['kind']))
+        sites.append(
+            SowSite(p['name'], p['tag'], p['reduction'], p['kind'], eqn)
+        )
     else:
       for sub in _jax.jaxprs_in_params(eqn.params):
         sites.extend(sow_sites(sub))
@@ -112,11 +132,10 @@ def as_jaxpr(j: _jax.Jaxpr | _jax.ClosedJaxpr) -> _jax.Jaxpr:
 
 @dataclasses.dataclass(frozen=True)
 class Accumulator:
-  """A reduced name's running value: its structure, leaves and reduction."""
+  """A reduced name's running value: its structure and leaves."""
 
   treedef: tp.Any
   leaves: tuple[tp.Any, ...]
-  reduction: Reduction
 
   @property
   def avals(self):
@@ -128,7 +147,6 @@ class ReducedSpec:
   """What a rewritten sub-jaxpr takes and returns for one reduced name."""
 
   name: Name
-  reduction: Reduction
   treedef: tp.Any
   avals: tuple[tp.Any, ...]
 
@@ -170,12 +188,12 @@ class Layout:
     return self.num_entry_leaves + self.num_accumulator_leaves
 
 
-def _reduction_error(name):
+def _reduction_error(name, where_=''):
   return ValueError(
-      f'sow {name!r}: two sites of this name use different'
-      ' reduce_fn/init_fn (or one reduces and one does not). Every site of a'
-      ' reduced name must pass the same two function objects; give the'
-      ' sites different names otherwise.'
+      f'sow {name!r}{where_}: one site of this name reduces (reduce_fn/'
+      'init_fn) and another does not. A name is either reduced into one'
+      ' accumulator or collected as a tuple of values; give the sites'
+      ' different names, or pass reduce_fn/init_fn at every site.'
   )
 
 
@@ -240,33 +258,46 @@ class Collector:
 
   # -- recording ----------------------------------------------------------
 
-  def add_entry(self, spec: EntrySpec, leaves: tp.Sequence[tp.Any]):
+  def add_entry(self, spec: EntrySpec, leaves: tp.Sequence[tp.Any],
+                where_: str = ''):
     if spec.name in self.accumulators:
-      raise _reduction_error(spec.name)
+      raise _reduction_error(spec.name, where_)
     self.names.setdefault(spec.name, None)
     self.plain_names.add(spec.name)
     self.entries.append((spec, list(leaves)))
 
-  def accumulator(self, name: Name, reduction: Reduction) -> Accumulator:
+  # -- reduced names --------------------------------------------------------
+  #
+  # A reduced name keeps one accumulator per scope. It starts from the
+  # ``init_fn()`` of the first site of the name that the program reaches;
+  # every site then folds its value with its own ``reduce_fn``. Inside a
+  # loop or branch the accumulator is carried through the rewritten
+  # sub-jaxpr (``reduced_specs``, ``ReducedSpec``), so its type is fixed.
+
+  def accumulator(
+      self, name: Name, reduction: Reduction, value_avals, where_: str = ''
+  ) -> Accumulator:
     """The accumulator of ``name``, created from ``init_fn()`` if new."""
     acc = self.accumulators.get(name)
     if acc is None:
       if name in self.plain_names:
-        raise _reduction_error(name)
-      init = reduction.init_fn()
-      leaves, treedef = jax.tree_util.tree_flatten(init)
-      leaves = tuple(strong(x) for x in leaves)
-      acc = Accumulator(treedef, leaves, reduction)
+        raise _reduction_error(name, where_)
+      acc = initial_accumulator(reduction, value_avals)
       self.accumulators[name] = acc
-    elif acc.reduction != reduction:
-      raise _reduction_error(name)
     return acc
 
   def reduce(
-      self, name: Name, reduction: Reduction, treedef, leaves, batch_dims=0
+      self, name: Name, reduction: Reduction, treedef, leaves, batch_dims=0,
+      where_: str = '',
   ):
     """Folds one sown value (or, with ``batch_dims``, a batch) into ``name``."""
-    acc = self.accumulator(name, reduction)
+    value_avals = [
+        _jax.ShapedArray(_jax.typeof(x).shape[batch_dims:], x.dtype)
+        for x in leaves
+    ]
+    acc = self.accumulator(
+        name, reduction, (treedef, value_avals), where_
+    )
     self.names.setdefault(name, None)
 
     def step(acc_leaves, value_leaves):
@@ -279,7 +310,7 @@ class Collector:
       new_avals = tuple(_jax.typeof(x) for x in new_leaves)
       if new_treedef != acc.treedef or not _same_types(new_avals, acc.avals):
         raise ValueError(
-            f'sow {name!r}: reduce_fn changed the accumulator from'
+            f'sow {name!r}{where_}: reduce_fn changed the accumulator from'
             f' {_describe(acc.treedef, acc.avals)} to'
             f' {_describe(new_treedef, new_avals)}. The accumulator must keep'
             ' its structure, shape and dtype; make init_fn() return a value'
@@ -295,9 +326,7 @@ class Collector:
       )
     else:
       new_leaves = step(acc.leaves, leaves)
-    self.accumulators[name] = Accumulator(
-        acc.treedef, tuple(new_leaves), reduction
-    )
+    self.accumulators[name] = Accumulator(acc.treedef, tuple(new_leaves))
 
   def on_sow(self, eqn: _jax.JaxprEqn, invals: list[tp.Any]) -> list[tp.Any]:
     p = eqn.params
@@ -315,31 +344,37 @@ class Collector:
       spec = EntrySpec(
           p['name'], p['tag'], p['treedef'], len(invals), p['kind']
       )
-      self.add_entry(spec, invals)
+      self.add_entry(spec, invals, where(eqn))
     else:
       self.reduce(
-          p['name'], p['reduction'], p['treedef'], invals, p['batch_dims']
+          p['name'], p['reduction'], p['treedef'], invals, p['batch_dims'],
+          where(eqn),
       )
     return invals
 
   # -- sub-jaxprs ---------------------------------------------------------
 
   def reduced_specs(self, jaxprs) -> tuple[ReducedSpec, ...]:
-    """Specs of the reduced names sown in ``jaxprs``; creates accumulators."""
+    """Specs of the reduced names sown in ``jaxprs``; creates accumulators.
+
+    A name not yet reduced in this scope starts from the ``init_fn()`` of
+    its first site in ``jaxprs``.
+    """
     specs: dict[Name, ReducedSpec] = {}
     for site in self.accepted_sites(jaxprs):
       if site.reduction is None:
         if site.name in self.accumulators:
-          raise _reduction_error(site.name)
+          raise _reduction_error(site.name, site.where)
         continue
-      acc = self.accumulator(site.name, site.reduction)
-      spec = specs.get(site.name)
-      if spec is None:
-        specs[site.name] = ReducedSpec(
-            site.name, site.reduction, acc.treedef, acc.avals
-        )
-      elif spec.reduction != site.reduction:
-        raise _reduction_error(site.name)
+      if site.name in specs:
+        continue
+      acc = self.accumulator(
+          site.name,
+          site.reduction,
+          (site.eqn.params['treedef'], site.value_avals()),
+          site.where,
+      )
+      specs[site.name] = ReducedSpec(site.name, acc.treedef, acc.avals)
     return tuple(specs.values())
 
   def prepare(
@@ -386,7 +421,7 @@ class Collector:
     for spec in layout.reduced:
       n = len(spec.avals)
       self.accumulators[spec.name] = Accumulator(
-          spec.treedef, tuple(extra[pos : pos + n]), spec.reduction
+          spec.treedef, tuple(extra[pos : pos + n])
       )
       pos += n
     for spec in layout.reduced:
@@ -405,7 +440,6 @@ class Collector:
     reduced = tuple(
         ReducedSpec(
             s.name,
-            s.reduction,
             self.accumulators[s.name].treedef,
             self.accumulators[s.name].avals,
         )
@@ -463,6 +497,42 @@ def _unflatten_collected(keys, values):
 jax.tree_util.register_pytree_with_keys(
     Collected, _flatten_collected, _unflatten_collected
 )
+
+
+def initial_accumulator(reduction: Reduction, value) -> Accumulator:
+  """``init_fn()`` as an accumulator for values of type ``value``.
+
+  ``value`` is ``(treedef, avals)`` of one sown value. A weakly typed leaf of
+  ``init_fn()`` (a Python scalar, as in ``init_fn=lambda: 0``) takes the
+  dtype and shape that ``reduce_fn(init, value)`` gives it, as weak types
+  promote in ``jnp``; other leaves keep their type.
+  """
+  init = reduction.init_fn()
+  leaves, treedef = jax.tree_util.tree_flatten(init)
+  leaves = [jax.numpy.asarray(x) for x in leaves]
+  if any(x.weak_type for x in leaves):
+    value_treedef, value_avals = value
+    sample = jax.tree_util.tree_unflatten(
+        value_treedef,
+        [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in value_avals],
+    )
+    try:
+      target = jax.eval_shape(
+          reduction.reduce_fn,
+          jax.tree_util.tree_unflatten(treedef, leaves),
+          sample,
+      )
+    except Exception:  # pylint: disable=broad-except
+      target = None  # the fold reports the error where it happens
+    target_leaves, target_treedef = jax.tree_util.tree_flatten(target)
+    if target is not None and target_treedef == treedef:
+      leaves = [
+          jax.numpy.broadcast_to(x.astype(t.dtype), t.shape)
+          if x.weak_type and x.ndim == 0
+          else x
+          for x, t in zip(leaves, target_leaves)
+      ]
+  return Accumulator(treedef, tuple(strong(x) for x in leaves))
 
 
 def strong(x: tp.Any) -> tp.Any:
@@ -600,7 +670,7 @@ def _rewrite_jaxpr(jaxpr, accepts_key, specs):
     for s in specs:
       n = len(s.avals)
       inner.accumulators[s.name] = Accumulator(
-          s.treedef, tuple(acc_leaves[pos : pos + n]), s.reduction
+          s.treedef, tuple(acc_leaves[pos : pos + n])
       )
       pos += n
     outs = eval_collecting(jaxpr.jaxpr, jaxpr.consts, inputs, inner)
@@ -656,12 +726,11 @@ def construct_name(primitive: _jax.Primitive) -> str:
 
 
 def _unsupported(eqn, collector) -> NotImplementedError:
-  names = sorted(
-      {repr(s.name) for s in collector.accepted_sites(
-          _jax.jaxprs_in_params(eqn.params))}
-  )
+  sites = collector.accepted_sites(_jax.jaxprs_in_params(eqn.params))
+  names = sorted({repr(s.name) for s in sites})
   return NotImplementedError(
-      f'sow {", ".join(names)}: capture cannot collect sows inside'
+      f'sow {", ".join(names)}{sites[0].where}: capture cannot collect sows'
+      ' inside'
       f' {construct_name(eqn.primitive)} (primitive `{eqn.primitive.name}`'
       ' has no capture rule). Sow the value outside that construct (return'
       ' it from it and sow the result), or register a rule for the'
@@ -727,6 +796,11 @@ def capture(
     NotImplementedError: a sow inside a construct with no capture rule (e.g.
       ``shard_map``).
   """
+  if not callable(f):
+    raise TypeError(
+        f'capture: f must be callable, got {f!r} of type {type(f).__name__};'
+        ' pass the function whose sows to collect, as in capture(f)(x).'
+    )
   if tags is None:
     accepts_key = None
   elif isinstance(tags, (str, bytes)) or not isinstance(tags, tp.Iterable):
@@ -787,7 +861,7 @@ def stage_and_collect(
     out_box.append((out_tree, out_leaves, out_is_array))
     return [x for x, o in zip(out_leaves, out_is_array) if o]
 
-  with staging():
+  with staging(accepts_key):
     closed = _jax.trace_to_closed_jaxpr(
         flat_f,
         [_jax.typeof(x) for x in arrays],

@@ -40,6 +40,7 @@ from flax.nnx.sow.capture import Layout
 from flax.nnx.sow.capture import cached
 from flax.nnx.sow.capture import collect_rules
 from flax.nnx.sow.capture import construct_names
+from flax.nnx.sow.capture import sow_sites
 from flax.nnx.sow.capture import strong
 
 
@@ -123,13 +124,15 @@ def _while_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
   in_cond = collector.accepted_sites([cond])
   if in_cond:
     raise ValueError(
-        f'sow {in_cond[0].name!r}: capture cannot collect a sow inside the'
+        f'sow {in_cond[0].name!r}{in_cond[0].where}: capture cannot collect'
+        ' a sow inside the'
         ' cond_fun of `lax.while_loop`; sow the value in body_fun instead.'
     )
   plain = [s for s in collector.accepted_sites([body]) if s.reduction is None]
   if plain:
     raise ValueError(
-        f'sow {plain[0].name!r}: a plain sow inside `lax.while_loop` (or a'
+        f'sow {plain[0].name!r}{plain[0].where}: a plain sow inside'
+        ' `lax.while_loop` (or a'
         ' `fori_loop` with traced bounds) cannot be collected, because the'
         ' number of iterations is not known when the program is staged. Pass'
         ' reduce_fn and init_fn to reduce the values into one accumulator'
@@ -138,8 +141,9 @@ def _while_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
         ' bounds to stack them.'
     )
   if cond.out_avals[0].shape and collector.accepted_sites([body]):
+    site = collector.accepted_sites([body])[0]
     raise NotImplementedError(
-        f'sow {collector.accepted_sites([body])[0].name!r}: a reduced sow'
+        f'sow {site.name!r}{site.where}: a reduced sow'
         ' inside `lax.while_loop` whose predicate `jax.vmap` batches (inside'
         ' the capture) cannot be collected: the loop runs until every'
         ' example is done, so the reduction would also count finished'
@@ -205,9 +209,16 @@ def _entry_keys(layout: Layout) -> list[tuple[tp.Any, int]]:
   return keys
 
 
-def _branch_mismatch(name, branch, what):
+def _branch_mismatch(name, branch, what, sources):
+  where_ = ''
+  for j in sources:
+    sites = [s for s in sow_sites(j.jaxpr) if s.name == name]
+    if sites:
+      where_ = sites[0].where
+      break
   return ValueError(
-      f'sow {name!r}: inside `lax.cond`/`lax.switch`, branch {branch} {what}.'
+      f'sow {name!r}{where_}: inside `lax.cond`/`lax.switch`, branch {branch}'
+      f' {what}.'
       ' Every branch must sow the same plain names, the same number of'
       ' times, with the same shapes and dtypes, since capture returns the'
       ' value of the branch taken; sow the same value in every branch (e.g.'
@@ -216,7 +227,9 @@ def _branch_mismatch(name, branch, what):
 
 
 def align_branches(
-    rewritten: tp.Sequence[tuple[_jax.ClosedJaxpr, Layout]], n_out: int
+    rewritten: tp.Sequence[tuple[_jax.ClosedJaxpr, Layout]],
+    n_out: int,
+    sources: tp.Sequence[_jax.ClosedJaxpr] = (),
 ) -> tuple[tuple[_jax.ClosedJaxpr, ...], Layout]:
   """Branches whose extra outputs line up with the first branch's.
 
@@ -224,6 +237,8 @@ def align_branches(
     rewritten: ``(jaxpr, layout)`` of each branch, rewritten with the same
       reduced specs.
     n_out: the number of ordinary outputs.
+    sources: the branches before the rewrite (errors say where the
+      mismatched name is sown).
 
   Returns:
     The branches, each returning ``[*outputs, *entries, *accumulators]`` with
@@ -252,6 +267,7 @@ def align_branches(
             name, i,
             f'sows it {count[name]} time(s) but branch 0 sows it'
             f' {count0[name]} time(s)',
+            sources,
         )
     for key in keys0:
       (s0, p0), (si, pi) = first[key], where[key]
@@ -262,6 +278,7 @@ def align_branches(
             key[0], i,
             f'sows {si.treedef} of {[a.str_short() for a in ai]} but branch'
             f' 0 sows {s0.treedef} of {[a.str_short() for a in a0]}',
+            sources,
         )
 
   def build(closed, layout, where):
@@ -301,7 +318,7 @@ def _cond_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
   acc_in = collector.accumulator_leaves(specs)
   n_out = len(eqn.outvars)
   new_branches, layout = align_branches(
-      [collector.rewrite(b, specs) for b in branches], n_out
+      [collector.rewrite(b, specs) for b in branches], n_out, branches
   )
   index, ops = invals[0], invals[1:]
   outs = _jax.cond_p.bind(

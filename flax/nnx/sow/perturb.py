@@ -64,7 +64,7 @@ def perturb(value: tp.Any, *, name: primitive.Name,
   Raises:
     TypeError: for a bad name, tag or leaf, as :func:`~flax.nnx.sow.sow`.
   """
-  primitive.check_name(name, 'perturb')
+  name = primitive.check_name(name, 'perturb')
   primitive.check_tag(tag, name, 'perturb')
   leaves, treedef = primitive.array_leaves(value, name, 'perturb')
   if primitive.is_eager():

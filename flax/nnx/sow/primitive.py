@@ -26,6 +26,7 @@ mapped axis first. Collecting what was sown is ``capture``'s job
 from __future__ import annotations
 
 import dataclasses
+import os
 import typing as tp
 
 import jax
@@ -46,28 +47,21 @@ class SowEffect(_jax.Effect):
 
 sow_effect = SowEffect()
 _jax.allow_effect(SowEffect)
+# Errors name the user's line that called ``sow``, not this package's.
+_jax.exclude_from_source_info(os.path.dirname(os.path.abspath(__file__)))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Reduction:
-  """The ``reduce_fn``/``init_fn`` pair of a reduced sow.
+  """The ``reduce_fn``/``init_fn`` pair of one reduced sow site.
 
-  Two reductions are equal when they hold the same two function objects; a
-  capture requires every site of one name to use equal reductions.
+  Each site folds its values with its own ``reduce_fn`` (as Flax's
+  ``Module.sow`` does), so two sites of one name may hold different function
+  objects, e.g. lambdas written inline. Compared by identity.
   """
 
   reduce_fn: tp.Callable[[tp.Any, tp.Any], tp.Any]
   init_fn: tp.Callable[[], tp.Any]
-
-  def __eq__(self, other):
-    return (
-        isinstance(other, Reduction)
-        and self.reduce_fn is other.reduce_fn
-        and self.init_fn is other.init_fn
-    )
-
-  def __hash__(self):
-    return hash((id(self.reduce_fn), id(self.init_fn)))
 
 
 sow_p = _jax.Primitive('sow')
@@ -100,20 +94,26 @@ sow_p.multiple_results = True
 
 MARKER_KINDS = ('perturb', 'order')
 
-_STAGING = jax.make_user_context(False)
+_STAGING = jax.make_user_context(())
 
 
-def staging():
+def staging(accepts_key: tp.Any = None):
   """The context in which ``capture`` stages its function.
 
-  Part of JAX's tracing cache key, so a ``jax.jit`` traced inside a capture
+  Its value, the ``tags`` keys of the captures staging (outermost first), is
+  part of JAX's tracing cache key, so a ``jax.jit`` traced inside a capture
   (effectful sows) is not reused outside one (effect-free sows), and back.
   """
-  return _STAGING(True)
+  return _STAGING((*_STAGING.value, accepts_key))
 
 
 def staging_active() -> bool:
   return bool(_STAGING.value)
+
+
+def staging_captures() -> tuple[tp.Any, ...]:
+  """The ``tags`` keys (``None``: every tag) of the captures staging now."""
+  return _STAGING.value
 
 
 def bind_sow(
@@ -280,19 +280,28 @@ def _sow_partial_eval_custom(saveable, unks_in, inst_in, eqn):
 _jax.partial_eval_jaxpr_custom_rules[sow_p] = _sow_partial_eval_custom
 
 
-def check_name(name: tp.Any, what: str = 'sow') -> None:
-  """Raises ``TypeError`` unless ``name`` is a str or a tuple of str/int."""
+def check_name(name: tp.Any, what: str = 'sow') -> Name:
+  """``name`` as a str or a tuple of str/int; NumPy integers become ``int``.
+
+  Raises:
+    TypeError: unless ``name`` is a str or a non-empty tuple of str and
+      integers (Python or NumPy; not bool).
+  """
   if isinstance(name, str):
-    return
-  if (
-      isinstance(name, tuple)
-      and name
-      and all(
-          isinstance(p, str) or (isinstance(p, int) and not isinstance(p, bool))
-          for p in name
-      )
-  ):
-    return
+    return name
+  if isinstance(name, tuple) and name:
+    parts = []
+    for p in name:
+      if isinstance(p, str):
+        parts.append(p)
+      elif isinstance(p, (int, np.integer)) and not isinstance(
+          p, (bool, np.bool_)
+      ):
+        parts.append(int(p))
+      else:
+        break
+    else:
+      return tuple(parts)
   raise TypeError(
       f'{what}: name must be a str or a non-empty tuple of str/int (a path'
       f" such as ('blocks', 0, 'act')), got {name!r} of type"
@@ -397,7 +406,7 @@ def sow(
       not an array or a scalar, if ``tag`` is not hashable, or if only one of
       ``reduce_fn``/``init_fn`` is given.
   """
-  check_name(name)
+  name = check_name(name)
   check_tag(tag, name)
   if (reduce_fn is None) != (init_fn is None):
     raise TypeError(

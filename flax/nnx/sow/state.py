@@ -30,12 +30,22 @@ import typing as tp
 from flax import nnx
 
 from flax.nnx.sow import primitive
+from flax.nnx.sow.capture import Collected
 
 Name = primitive.Name
 VariableType = type[nnx.Variable]
 TypeSpec = tp.Union[VariableType, tp.Callable[[Name], VariableType]]
 
-__all__ = ['collected_to_state', 'state_to_collected', 'name_to_path']
+__all__ = [
+    'collected_to_state',
+    'flatten_names',
+    'name_to_path',
+    'state_to_collected',
+]
+
+# The order of the names a State was built from (an instance attribute that
+# is not an entry of the mapping), so that state_to_collected gives it back.
+_ORDER_ATTR = '_sow_name_order'
 
 
 def name_to_path(name: Name) -> tuple[tp.Union[str, int], ...]:
@@ -44,7 +54,7 @@ def name_to_path(name: Name) -> tuple[tp.Union[str, int], ...]:
   Raises:
     TypeError: if ``name`` is not a str or a non-empty tuple of str/int.
   """
-  primitive.check_name(name, 'name_to_path')
+  name = primitive.check_name(name, 'name_to_path')
   return (name,) if isinstance(name, str) else name
 
 
@@ -130,12 +140,15 @@ def collected_to_state(
     node[path[-1]] = _variable_type(variable_type, name)(
         value, hijax=False, ref=False
     )
+  object.__setattr__(
+      root, _ORDER_ATTR, tuple(name_to_path(n) for n in collected)
+  )
   return root
 
 
 def state_to_collected(
     state: tp.Mapping[tp.Any, tp.Any],
-) -> dict[Name, tp.Any]:
+) -> Collected:
   """Flattens a path-keyed State of Variables into a flat ``collected`` dict.
 
   The inverse of :func:`collected_to_state`: each Variable leaf becomes
@@ -154,8 +167,10 @@ def state_to_collected(
     state: an ``nnx.State`` (or nested mapping) whose leaves are Variables.
 
   Returns:
-    ``dict`` from name (``str`` or tuple path) to the Variable's value, in the
-    State's iteration order.
+    A ``Collected`` dict (a pytree that keeps its key order, also under
+    ``jax.jit``) from name (``str`` or tuple path) to the Variable's value:
+    in the order of the names ``collected_to_state`` was given when it built
+    ``state``, otherwise in the State's iteration order.
 
   Raises:
     TypeError: if ``state`` is not a mapping, or a leaf is not a Variable.
@@ -182,4 +197,46 @@ def state_to_collected(
         )
 
   visit(state, ())
+  order = getattr(state, '__dict__', {}).get(_ORDER_ATTR)
+  by_path = {name_to_path(k): k for k in out}
+  if order is not None and set(order) == set(by_path):
+    return Collected((by_path[p], out[by_path[p]]) for p in order)
+  return Collected(out)
+
+
+def flatten_names(
+    collected: tp.Mapping[Name, tp.Any], sep: str = '/'
+) -> Collected:
+  """``collected`` with every name written as one string, parts joined by sep.
+
+  ``('blocks', 0, 'act')`` becomes ``'blocks/0/act'``; a ``str`` name stays
+  as it is. Logging tools, ``np.savez`` and ``dict`` sorting (which fails on
+  a mix of ``str`` and tuple keys) want string keys. Works on traced values,
+  so it can run inside ``jax.jit``; the result keeps the key order.
+
+  >>> import jax.numpy as jnp
+  >>> from flax.nnx.sow.state import flatten_names
+  >>> flatten_names({('blocks', 0, 'act'): (jnp.ones(2),), 'loss': 1.0})
+  {'blocks/0/act': (Array([1., 1.], dtype=float32),), 'loss': 1.0}
+
+  Args:
+    collected: the dict a ``capture`` returns.
+    sep: the separator between the parts of a path.
+
+  Returns:
+    A ``Collected`` dict with the same values, keyed by strings.
+
+  Raises:
+    ValueError: if two names give the same string (``'a/b'`` and
+      ``('a', 'b')``).
+  """
+  out = Collected()
+  for name, value in collected.items():
+    key = sep.join(str(p) for p in name_to_path(name))
+    if key in out:
+      raise ValueError(
+          f'flatten_names: {name!r} and another name both flatten to'
+          f' {key!r}; rename one of them or choose another sep.'
+      )
+    out[key] = value
   return out

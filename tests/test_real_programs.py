@@ -1,0 +1,616 @@
+# Copyright 2026 The Flax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""Programs written the way training and analysis code is written.
+
+* A captured function that closes over tracers of an enclosing transform,
+  over arrays and over NNX modules, for every path a sow can take through
+  ``capture`` (the top-level edit, the interpreter, a rule that rewrites a
+  sub-jaxpr), inside every enclosing construct.
+* Loop-invariant sows under ``grad``/``linearize``/``checkpoint``: still one
+  value per iteration.
+* Reductions written inline: each site folds with its own ``reduce_fn``.
+* Names, keys and error locations.
+
+Expected values are computed by the same arithmetic written without ``sow``.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from absl.testing import absltest
+from absl.testing import parameterized
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flax.nnx.sow import capture
+from flax.nnx.sow import flatten_names
+from flax.nnx.sow import collected_to_state
+from flax.nnx.sow import perturb
+from flax.nnx.sow import sow
+from flax.nnx.sow import state_to_collected
+
+# ----------------------------------------------------------------------------
+# 1. Closures: enclosing construct x path through capture x what f closes over
+
+_ARR = jnp.array([2.0], jnp.float32)
+
+
+def _linear():
+  model = nnx.Linear(1, 1, rngs=nnx.Rngs(0))
+  model.kernel.set_value(jnp.array([[3.0]], jnp.float32))
+  model.bias.set_value(jnp.array([0.5], jnp.float32))
+  return model
+
+
+def _inner(closure, model, c):
+  """``(g, arg)``: the closed-over computation and what the capture gets."""
+  if closure == 'tracer':
+    return (lambda v: v * c), None
+  if closure == 'array':
+    return (lambda v: v * _ARR), c
+  return (lambda v: model(v)), c
+
+
+def _expected_g(closure, c, x):
+  if closure == 'tracer':
+    return x * c
+  if closure == 'array':
+    return x * c * 2.0
+  return x * c * 3.0 + 0.5
+
+
+def _captured(path, g):
+  """A function to capture whose sow of ``g(x)`` takes ``path``."""
+  if path == 'edit':
+    return lambda x: sow(g(x), name='v') + 1.0
+  if path == 'interpreter':
+    return lambda x: sow(
+        g(x), name='v', reduce_fn=lambda a, b: a + b,
+        init_fn=lambda: jnp.zeros(1, jnp.float32),
+    ) + 1.0
+  if path == 'jit':
+    return lambda x: jax.jit(lambda y: sow(g(y), name='v'))(x) + 1.0
+  if path == 'reduced_jit':
+    return lambda x: jax.jit(
+        lambda y: sow(g(y), name='v', reduce_fn=lambda a, b: a + b,
+                      init_fn=lambda: jnp.zeros(1, jnp.float32))
+    )(x) + 1.0
+
+  def scanned(x):
+    def body(carry, k):
+      sow(g(x) * k, name='v')
+      return carry, None
+
+    jax.lax.scan(body, 0.0, jnp.array([1.0, 2.0], jnp.float32))
+    return g(x) + 1.0
+
+  return scanned
+
+
+def _collected_total(path, gx):
+  return 3.0 * jnp.sum(gx) if path == 'scan' else jnp.sum(gx)
+
+
+def _run(path, closure, model, c, x):
+  g, arg = _inner(closure, model, c)
+  x_in = x if arg is None else x * arg
+  out, collected = capture(_captured(path, g))(x_in)
+  total = sum(jnp.sum(v) for v in jax.tree.leaves(collected))
+  return out + total
+
+
+def _run_expected(path, closure, c, x):
+  gx = _expected_g(closure, c, x)
+  return gx + 1.0 + _collected_total(path, gx)
+
+
+def _enclose(construct, fn, c, x):
+  """``fn(c, x)`` evaluated inside ``construct``, ``c`` and ``x`` traced."""
+  if construct == 'jit':
+    return jax.jit(fn)(c, x)
+  if construct == 'nnx_jit':
+    return nnx.jit(fn)(c, x)
+  if construct == 'scan':
+    def body(carry, xi):
+      return carry, fn(carry, xi)
+
+    return jax.lax.scan(body, c, jnp.stack([x, x + 1.0]))[1]
+  if construct == 'while':
+    def body(state):
+      i, acc = state
+      return i + 1, fn(c, x + acc * 0.0)
+
+    return jax.lax.while_loop(
+        lambda s: s[0] < 1, body, (0, jnp.zeros_like(x))
+    )[1]
+  if construct == 'cond':
+    return jax.lax.cond(
+        c > 0.0, fn, lambda c, x: jnp.zeros_like(x), c, x
+    )
+  if construct == 'vmap':
+    return jax.vmap(fn)(jnp.stack([c, c + 1.0]), jnp.stack([x, x * 2.0]))
+  if construct == 'grad':
+    return jax.grad(lambda c: jnp.sum(fn(c, x)))(c)
+  assert construct == 'custom_vjp'
+
+  @jax.custom_vjp
+  def h(c, x):
+    return fn(c, x)
+
+  def fwd(c, x):
+    return fn(c, x), None
+
+  def bwd(_, ct):
+    return jnp.sum(ct), jnp.zeros_like(x)
+
+  h.defvjp(fwd, bwd)
+  return jax.value_and_grad(lambda c: jnp.sum(h(c, x)))(c)[0]
+
+
+CONSTRUCTS = (
+    'jit', 'nnx_jit', 'scan', 'while', 'cond', 'vmap', 'grad', 'custom_vjp'
+)
+PATHS = ('edit', 'interpreter', 'jit', 'reduced_jit', 'scan')
+CLOSURES = ('tracer', 'array', 'module')
+
+
+class ClosureMatrixTest(parameterized.TestCase):
+
+  @parameterized.parameters(
+      *itertools.product(CONSTRUCTS, PATHS, CLOSURES)
+  )
+  def test_closure(self, construct, path, closure):
+    model = _linear() if closure == 'module' else None
+    c = jnp.float32(1.5)
+    x = jnp.array([0.75], jnp.float32)
+    got = _enclose(
+        construct, lambda c, x: _run(path, closure, model, c, x), c, x
+    )
+    want = _enclose(
+        construct, lambda c, x: _run_expected(path, closure, c, x), c, x
+    )
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+  def test_jit_train_step_closes_over_batch(self):
+    # nnx.jit step, nnx.capture of nnx.value_and_grad of a loss that closes
+    # over the step's batch.
+    model = _linear()
+    optimizer = nnx.Optimizer(model, _sgd(), wrt=nnx.Param)
+
+    class Probe(nnx.Module):
+
+      def __init__(self, inner):
+        self.inner = inner
+
+      def __call__(self, x):
+        y = self.inner(x)
+        self.sow(nnx.Intermediate, 'y', y)
+        return y
+
+    probe = Probe(model)
+
+    @nnx.jit
+    def step(probe, optimizer, x, t):
+      def loss_fn(probe):
+        return jnp.mean((probe(x) - t) ** 2)
+
+      (loss, grads), state = nnx.capture(
+          nnx.value_and_grad(loss_fn), nnx.Intermediate
+      )(probe)
+      optimizer.update(probe.inner, grads.inner)
+      return loss, state['y'][0]
+
+    x = jnp.array([[1.0], [2.0]], jnp.float32)
+    t = jnp.array([[1.0], [1.0]], jnp.float32)
+    loss, y = step(probe, optimizer, x, t)
+    np.testing.assert_allclose(y, x * 3.0 + 0.5, rtol=1e-6)
+    np.testing.assert_allclose(
+        loss, np.mean((np.array([[3.5], [6.5]]) - 1.0) ** 2), rtol=1e-6
+    )
+    # The SGD step was applied to the caller's model (lr 0.1).
+    dk = np.mean(2 * (np.array([3.5, 6.5]) - 1.0) * np.array([1.0, 2.0]))
+    np.testing.assert_allclose(
+        model.kernel.get_value(), [[3.0 - 0.1 * dk]], rtol=1e-6
+    )
+
+
+def _sgd():
+  import optax  # pylint: disable=g-import-not-at-top
+
+  return optax.sgd(0.1)
+
+
+# ----------------------------------------------------------------------------
+# 2. Loop-invariant sows keep their iteration axis under every transform.
+
+
+def _loss_invariant(w, xs):
+  def body(c, x):
+    sow(jnp.sum(w ** 2), name='wn')  # does not depend on the carry
+    sow(jnp.float32(7.0), name='const')  # a constant
+    sow(w * 2.0, name='red', reduce_fn=lambda a, b: a + b,
+        init_fn=lambda: 0.0)
+    return c * jnp.tanh(w * x), None
+
+  return jnp.sum(jax.lax.scan(body, jnp.ones(3), xs)[0])
+
+
+def _loss_fori(w, xs):
+  def body(i, c):
+    sow(jnp.sum(w ** 2) + 0.0 * i, name='wn')
+    return c * jnp.tanh(w * xs[i])
+
+  return jnp.sum(jax.lax.fori_loop(0, xs.shape[0], body, jnp.ones(3)))
+
+
+def _transforms(loss, xs):
+  return {
+      'plain': lambda w: loss(w, xs),
+      'jit': jax.jit(lambda w: loss(w, xs)),
+      'grad': jax.grad(lambda w: loss(w, xs)),
+      'value_and_grad': jax.value_and_grad(lambda w: loss(w, xs)),
+      'linearize': lambda w: jax.linearize(lambda w: loss(w, xs), w)[0],
+      'jvp': lambda w: jax.jvp(lambda w: loss(w, xs), (w,), (1.0,)),
+      'checkpoint': jax.grad(jax.checkpoint(lambda w: loss(w, xs))),
+      'checkpoint_dots': jax.grad(
+          jax.checkpoint(
+              lambda w: loss(w, xs),
+              policy=jax.checkpoint_policies.dots_saveable,
+          )
+      ),
+      'jit_value_and_grad': jax.jit(
+          jax.value_and_grad(lambda w: loss(w, xs))
+      ),
+  }
+
+
+class InvarianceTest(parameterized.TestCase):
+
+  @parameterized.parameters(*_transforms(_loss_invariant, None))
+  def test_loop_invariant_sows_scan(self, transform):
+    xs = jnp.arange(4.0)
+    w = jnp.float32(0.5)
+    _, collected = capture(_transforms(_loss_invariant, xs)[transform])(w)
+    self.assertEqual(list(collected), ['wn', 'const', 'red'])
+    np.testing.assert_allclose(collected['wn'][0], np.full(4, 0.25))
+    np.testing.assert_allclose(collected['const'][0], np.full(4, 7.0))
+    self.assertLen(collected['wn'], 1)
+    np.testing.assert_allclose(collected['red'], 4 * 1.0)
+
+  @parameterized.parameters('plain', 'grad', 'value_and_grad', 'linearize',
+                            'checkpoint')
+  def test_loop_invariant_sows_fori_loop(self, transform):
+    xs = jnp.arange(5.0)
+    _, collected = capture(_transforms(_loss_fori, xs)[transform])(
+        jnp.float32(0.5)
+    )
+    np.testing.assert_allclose(collected['wn'][0], np.full(5, 0.25))
+
+  def test_gradient_unchanged(self):
+    xs = jnp.arange(4.0)
+    got, _ = capture(jax.grad(_loss_invariant))(0.5, xs)
+
+    def plain(w):
+      c = jnp.ones(3)
+      for x in xs:
+        c = c * jnp.tanh(w * x)
+      return jnp.sum(c)
+
+    np.testing.assert_allclose(got, jax.grad(plain)(0.5), rtol=1e-6)
+
+  def test_outside_capture_no_anchor_is_left(self):
+    xs = jnp.arange(4.0)
+    text = str(jax.make_jaxpr(jax.grad(_loss_invariant))(0.5, xs))
+    self.assertNotIn('sow', text)
+
+  def test_recurrent_nnx_cell_weight_statistic_per_step(self):
+    class Cell(nnx.Module):
+
+      def __init__(self, rngs):
+        self.w = nnx.Linear(2, 2, rngs=rngs)
+
+      def __call__(self, h, x):
+        # A statistic of the weights only: loop-invariant in the scan.
+        self.sow(nnx.Intermediate, 'w_norm', jnp.sum(self.w.kernel[...] ** 2))
+        h = jnp.tanh(self.w(h) + x)
+        return h, h
+
+    cell = Cell(nnx.Rngs(0))
+    xs = jax.random.normal(jax.random.key(1), (6, 2))
+
+    def loss_fn(cell):
+      scan = nnx.scan(
+          lambda cell, h, x: cell(h, x),
+          in_axes=(None, nnx.Carry, 0),
+          out_axes=(nnx.Carry, 0),
+      )
+      h, ys = scan(cell, jnp.zeros(2), xs)
+      return jnp.sum(ys ** 2)
+
+    (loss, grads), state = nnx.capture(
+        nnx.value_and_grad(loss_fn), nnx.Intermediate
+    )(cell)
+    norm = float(jnp.sum(cell.w.kernel[...] ** 2))
+    (norms,) = state['w_norm']
+    np.testing.assert_allclose(norms, np.full(6, norm), rtol=1e-6)
+
+    def plain_loss(kernel, bias):  # the same recurrence, without sow
+      h, total = jnp.zeros(2), 0.0
+      for x in xs:
+        h = jnp.tanh(h @ kernel + bias + x)
+        total = total + jnp.sum(h ** 2)
+      return total
+
+    kernel, bias = cell.w.kernel.get_value(), cell.w.bias.get_value()
+    want_loss, want_grad = jax.value_and_grad(plain_loss)(kernel, bias)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    np.testing.assert_allclose(
+        grads['w']['kernel'].get_value(), want_grad, rtol=1e-4
+    )
+
+
+# ----------------------------------------------------------------------------
+# 3. Reductions: each site folds with its own reduce_fn.
+
+
+class PerSiteReductionTest(parameterized.TestCase):
+
+  def test_inline_lambdas_in_python_loop(self):
+    def f(x):
+      for _ in range(3):
+        x = sow(jnp.tanh(x), name='n',
+                reduce_fn=lambda a, b: a + jnp.sum(b), init_fn=lambda: 0.0)
+      return x
+
+    _, collected = capture(f)(jnp.ones(3))
+    t1 = np.tanh(1.0)
+    t2 = np.tanh(t1)
+    t3 = np.tanh(t2)
+    np.testing.assert_allclose(collected['n'], 3 * (t1 + t2 + t3), rtol=1e-6)
+
+  def test_lambda_closing_over_loop_variable(self):
+    def f(x):
+      for i in range(1, 4):
+        sow(x, name='w', reduce_fn=lambda a, b, i=i: a + i * b,
+            init_fn=lambda: jnp.zeros(()))
+      return x
+
+    _, collected = capture(f)(jnp.float32(2.0))
+    np.testing.assert_allclose(collected['w'], 2.0 * (1 + 2 + 3))
+
+  def test_python_int_init_promotes(self):
+    def f(x):
+      sow(x, name='s', reduce_fn=lambda a, b: a + b, init_fn=lambda: 0)
+      sow(x, name='s', reduce_fn=lambda a, b: a + b, init_fn=lambda: 0)
+      return x
+
+    _, collected = capture(f)(jnp.array([1.0, 2.0], jnp.float32))
+    self.assertEqual(collected['s'].dtype, jnp.float32)
+    np.testing.assert_allclose(collected['s'], [2.0, 4.0])
+
+  def test_real_type_change_still_raises(self):
+    def f(x):
+      return sow(x, name='bad', reduce_fn=lambda a, b: a + b,
+                 init_fn=lambda: jnp.int32(0))
+
+    with self.assertRaisesRegex(ValueError, "sow 'bad'.*accumulator"):
+      capture(f)(jnp.float32(1.0))
+
+  def test_scan_while_cond_vmap_nested_jit(self):
+    def f(xs):
+      def body(c, x):
+        sow(x, name='r', reduce_fn=lambda a, b: a + b, init_fn=lambda: 0.0)
+        return c, None
+
+      jax.lax.scan(body, 0.0, xs)
+
+      def wbody(s):
+        i, = s
+        sow(xs[i], name='r', reduce_fn=lambda a, b: a + 10 * b,
+            init_fn=lambda: 0.0)
+        return (i + 1,)
+
+      jax.lax.while_loop(lambda s: s[0] < 2, wbody, (0,))
+      jax.lax.cond(
+          xs[0] > 0,
+          lambda: sow(xs[1], name='r', reduce_fn=lambda a, b: a + 100 * b,
+                      init_fn=lambda: 0.0),
+          lambda: xs[1],
+      )
+      jax.vmap(
+          lambda v: sow(v, name='r', reduce_fn=lambda a, b: a + 1000 * b,
+                        init_fn=lambda: 0.0)
+      )(xs)
+      jax.jit(
+          lambda v: sow(v, name='r', reduce_fn=lambda a, b: a - b,
+                        init_fn=lambda: 0.0)
+      )(xs[2])
+      return xs
+
+    xs = jnp.array([1.0, 2.0, 3.0], jnp.float32)
+    _, collected = capture(f)(xs)
+    want = 6.0 + 10 * 3.0 + 100 * 2.0 + 1000 * 6.0 - 3.0
+    np.testing.assert_allclose(collected['r'], want)
+
+  def test_module_sow_lambda_closing_over_loop_variable(self):
+    class M(nnx.Module):
+
+      def __call__(self, x):
+        for i in range(1, 4):
+          self.sow(nnx.Intermediate, 'acc', x,
+                   reduce_fn=lambda a, b, i=i: a + i * b,
+                   init_fn=lambda: 0)
+        return x
+
+    m = M()
+    _, state = nnx.capture(m, nnx.Intermediate)(jnp.float32(2.0))
+    np.testing.assert_allclose(state['acc'].get_value(), 12.0)
+
+
+# ----------------------------------------------------------------------------
+# 4. Nothing lost: a branch-only sow under vmap is the error it is without.
+
+
+class BranchOnlyTest(absltest.TestCase):
+
+  def f(self, p, x):
+    return jax.lax.cond(
+        p, lambda x: sow(x, name='only') * 2.0, lambda x: x * 3.0, x
+    )
+
+  def test_without_vmap(self):
+    with self.assertRaisesRegex(ValueError, "sow 'only'"):
+      capture(self.f)(True, 1.0)
+
+  def test_with_vmap_batched_predicate(self):
+    with self.assertRaisesRegex(ValueError, "sow 'only'"):
+      capture(jax.vmap(self.f))(jnp.array([True, False]), jnp.ones(2))
+
+  def test_not_collected_tag_is_fine_under_vmap(self):
+    def f(p, x):
+      return jax.lax.cond(
+          p, lambda x: sow(x, name='only', tag='other') * 2.0,
+          lambda x: x * 3.0, x,
+      )
+
+    out, collected = capture(jax.vmap(f), tags=('mine',))(
+        jnp.array([True, False]), jnp.ones(2)
+    )
+    np.testing.assert_allclose(out, [2.0, 3.0])
+    self.assertEqual(dict(collected), {})
+
+
+# ----------------------------------------------------------------------------
+# 5. Names, keys and errors.
+
+
+def _line_of(marker: str) -> int:
+  with open(__file__) as f:
+    for i, line in enumerate(f, 1):
+      if marker in line and '_line_of' not in line:
+        return i
+  raise AssertionError(marker)
+
+
+class NamesAndErrorsTest(absltest.TestCase):
+
+  def test_numpy_integer_name_part(self):
+    _, collected = capture(
+        lambda x: sow(x, name=('layer', np.int64(2))) * 1.0
+    )(jnp.float32(1.0))
+    (key,) = collected
+    self.assertEqual(key, ('layer', 2))
+    self.assertIs(type(key[1]), int)
+
+  def test_numpy_bool_name_part_is_type_error(self):
+    with self.assertRaisesRegex(TypeError, 'name'):
+      capture(lambda x: sow(x, name=('layer', np.bool_(True))))(1.0)
+
+  def test_capture_of_non_callable(self):
+    with self.assertRaisesRegex(TypeError, 'callable'):
+      capture(3)
+
+  def test_plain_sow_in_while_names_file_and_line(self):
+    def f(x):
+      def body(c):
+        sow(c, name='in_while')  # LINE-WHILE
+        return c + 1.0
+
+      return jax.lax.while_loop(lambda c: c < 3.0, body, x)
+
+    line = _line_of('# LINE-WHILE')
+    with self.assertRaisesRegex(
+        ValueError, rf"sow 'in_while' \(at .*test_real_programs.py:{line}"
+    ):
+      capture(f)(jnp.float32(0.0))
+
+  def test_branch_mismatch_names_file_and_line(self):
+    def f(p, x):
+      return jax.lax.cond(
+          p,
+          lambda x: sow(x, name='mm'),  # LINE-BRANCH
+          lambda x: sow(jnp.stack([x, x]), name='mm')[0],
+          x,
+      )
+
+    with self.assertRaisesRegex(ValueError, r"sow 'mm' \(at .*test_real_pro"):
+      capture(f)(True, jnp.float32(1.0))
+
+  def test_accumulator_change_names_file_and_line(self):
+    def f(x):
+      return sow(x, name='acc', reduce_fn=lambda a, b: a + b,  # LINE-ACC
+                 init_fn=lambda: jnp.zeros((3,), jnp.int32))
+
+    line = _line_of('# LINE-ACC')
+    with self.assertRaisesRegex(
+        ValueError, rf"sow 'acc' \(at .*test_real_programs.py:{line}"
+    ):
+      capture(f)(jnp.zeros((3,)))
+
+  def test_no_rule_names_file_and_line(self):
+    mesh = jax.make_mesh((1,), ('d',))
+
+    def f(x):
+      return jax.shard_map(
+          lambda v: sow(v, name='sharded'),  # LINE-SHARD
+          mesh=mesh, in_specs=jax.P(), out_specs=jax.P(),
+      )(x)
+
+    line = _line_of('# LINE-SHARD')
+    with self.assertRaisesRegex(
+        NotImplementedError,
+        rf"sow 'sharded' \(at .*test_real_programs.py:{line}",
+    ):
+      capture(f)(jnp.ones(2))
+
+  def test_flatten_names_under_jit(self):
+    def f(x):
+      sow(x, name=('blocks', 0, 'act'))
+      sow(x * 2, name='loss')
+      return x
+
+    @jax.jit
+    def g(x):
+      _, collected = capture(f)(x)
+      return {**flatten_names(collected)}
+
+    out = g(jnp.float32(1.5))
+    self.assertEqual(sorted(out), ['blocks/0/act', 'loss'])
+    np.testing.assert_allclose(out['blocks/0/act'][0], 1.5)
+    np.testing.assert_allclose(out['loss'][0], 3.0)
+
+  def test_flatten_names_collision(self):
+    with self.assertRaisesRegex(ValueError, 'a/b'):
+      flatten_names({'a/b': 1, ('a', 'b'): 2})
+
+  def test_state_round_trip_keeps_key_order(self):
+    c = {('b', 0, 'x'): (1.0,), 'a': (2.0,), ('b', 1, 'y'): (3.0,)}
+    back = state_to_collected(collected_to_state(c))
+    self.assertEqual(list(back), list(c))
+    self.assertEqual(back, c)
+
+  def test_perturb_numpy_name(self):
+    def loss(x):
+      return jnp.sum(perturb(x, name=('h', np.int32(1))) ** 2)
+
+    _, collected = capture(jax.grad(loss))(jnp.array([1.0, 2.0]))
+    np.testing.assert_allclose(collected[('h', 1)][0], [2.0, 4.0])
+
+
+if __name__ == '__main__':
+  absltest.main()

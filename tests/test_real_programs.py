@@ -612,5 +612,49 @@ class NamesAndErrorsTest(absltest.TestCase):
     np.testing.assert_allclose(collected[('h', 1)][0], [2.0, 4.0])
 
 
+# ----------------------------------------------------------------------------
+# 6. Caches hold nothing the user owns.
+
+
+class FreedAfterCallTest(absltest.TestCase):
+
+  def test_closed_over_array_and_module_are_freed(self):
+    import gc  # pylint: disable=g-import-not-at-top
+    import weakref  # pylint: disable=g-import-not-at-top
+
+    class Probe(nnx.Module):
+
+      def __init__(self):
+        self.w = nnx.Param(jnp.full((3,), 2.0))
+
+      def __call__(self, x):
+        y = x * self.w[...]
+        self.sow(nnx.Intermediate, 'y', y)
+        return y
+
+    def run():
+      big = jnp.full((3,), 3.0)
+      model = Probe()
+
+      def f(x):
+        def body(c, v):
+          sow(c * big, name='s', reduce_fn=lambda a, b: a + jnp.sum(b),
+              init_fn=lambda: 0.0)
+          return c + v, None
+
+        c, _ = jax.lax.scan(body, x, jnp.ones((2, 3)))
+        return sow(c, name='c') + jax.jit(lambda y: sow(y, name='j'))(c)
+
+      _, collected = capture(f)(jnp.ones(3))
+      np.testing.assert_allclose(collected['s'], 3.0 * (3 + 6))
+      _, state = nnx.capture(model, nnx.Intermediate)(jnp.ones(3))
+      np.testing.assert_allclose(state['y'][0], [2.0, 2.0, 2.0])
+      return weakref.ref(big), weakref.ref(model), weakref.ref(f)
+
+    refs = run()
+    gc.collect()
+    self.assertEqual([r() for r in refs], [None, None, None])
+
+
 if __name__ == '__main__':
   absltest.main()

@@ -313,6 +313,27 @@ class InvarianceTest(parameterized.TestCase):
 
     np.testing.assert_allclose(got, jax.grad(plain)(0.5), rtol=1e-6)
 
+  def test_loop_invariant_perturb_cotangent_per_iteration(self):
+    xs = jnp.arange(1.0, 4.0)
+
+    def loss(w):
+      def body(c, x):
+        v = perturb(w * 2.0, name='p')  # does not depend on the carry
+        return c * jnp.tanh(v * x), None
+
+      return jnp.sum(jax.lax.scan(body, jnp.ones(2), xs)[0])
+
+    def unrolled(vs):  # one v per iteration, written without perturb
+      c = jnp.ones(2)
+      for v, x in zip(vs, xs):
+        c = c * jnp.tanh(v * x)
+      return jnp.sum(c)
+
+    _, collected = capture(jax.grad(loss))(0.5)
+    np.testing.assert_allclose(
+        collected['p'][0], jax.grad(unrolled)(jnp.full(3, 1.0)), rtol=1e-5
+    )
+
   def test_outside_capture_no_anchor_is_left(self):
     xs = jnp.arange(4.0)
     text = str(jax.make_jaxpr(jax.grad(_loss_invariant))(0.5, xs))

@@ -149,9 +149,10 @@ def _anchored_body(closed: _jax.ClosedJaxpr, num_consts: int):
               eqn.source_info, eqn.ctx,
           )
       )
-      if eqn.primitive is sow_p:
+      if eqn.primitive is sow_p and eqn.params['kind'] != 'perturb':
         # Consumers read the operands (the sow is the identity), so only
-        # the sow itself runs per iteration.
+        # the sow itself runs per iteration. (A perturb's consumers must
+        # read its result: that is where its cotangent arrives.)
         subst.update(zip(eqn.outvars, eqn.invars))
         fresh = [_jax.Var(v.aval) for v in eqn.outvars]
         eqn = eqn.replace(invars=anchored, outvars=fresh)

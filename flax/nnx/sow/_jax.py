@@ -33,6 +33,7 @@ from jax._src import effects
 from jax._src import linear_util as lu
 from jax._src import pjit
 from jax._src import source_info_util
+from jax._src import util as jax_util
 from jax._src.interpreters import ad
 from jax._src.interpreters import batching
 from jax._src.interpreters import mlir
@@ -87,6 +88,16 @@ def exclude_from_source_info(path: str) -> None:
   not at this package's ``sow``.
   """
   source_info_util.register_exclusion(path)
+
+
+def weak_cache_key(cls: type) -> None:
+  """Makes JAX's parameter-keyed caches hold objects of ``cls`` weakly.
+
+  The abstract-evaluation cache keys on an equation's parameters; a
+  parameter holding user functions (a sow's ``reduce_fn``) would otherwise
+  keep them, and all they close over, alive until evicted.
+  """
+  jax_util.weakref_cache_key_types.add(cls)
 
 
 def is_ref(x: tp.Any) -> bool:

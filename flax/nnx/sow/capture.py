@@ -512,20 +512,10 @@ def initial_accumulator(reduction: Reduction, value) -> Accumulator:
   leaves = [jax.numpy.asarray(x) for x in leaves]
   if any(x.weak_type for x in leaves):
     value_treedef, value_avals = value
-    sample = jax.tree_util.tree_unflatten(
-        value_treedef,
-        [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in value_avals],
+    target_leaves, target_treedef = _abstract_fold(
+        reduction.reduce_fn, treedef, leaves, value_treedef, value_avals
     )
-    try:
-      target = jax.eval_shape(
-          reduction.reduce_fn,
-          jax.tree_util.tree_unflatten(treedef, leaves),
-          sample,
-      )
-    except Exception:  # pylint: disable=broad-except
-      target = None  # the fold reports the error where it happens
-    target_leaves, target_treedef = jax.tree_util.tree_flatten(target)
-    if target is not None and target_treedef == treedef:
+    if target_treedef == treedef:
       leaves = [
           jax.numpy.broadcast_to(x.astype(t.dtype), t.shape)
           if x.weak_type and x.ndim == 0
@@ -533,6 +523,33 @@ def initial_accumulator(reduction: Reduction, value) -> Accumulator:
           for x, t in zip(leaves, target_leaves)
       ]
   return Accumulator(treedef, tuple(strong(x) for x in leaves))
+
+
+def _abstract_fold(reduce_fn, acc_treedef, acc_leaves, treedef, avals):
+  """The avals and structure of ``reduce_fn(acc, value)``, without running it.
+
+  Traced into a throw-away jaxpr rather than with ``jax.eval_shape``, whose
+  caches would keep every fresh ``reduce_fn`` (an inline ``lambda`` per call)
+  alive. Returns ``([], None)`` if ``reduce_fn`` fails on these types (the
+  fold reports the error where it happens).
+  """
+  out = []
+
+  def fold(*leaves):
+    acc = jax.tree_util.tree_unflatten(acc_treedef, leaves[: len(acc_leaves)])
+    value = jax.tree_util.tree_unflatten(treedef, leaves[len(acc_leaves) :])
+    result_leaves, result_treedef = jax.tree_util.tree_flatten(
+        reduce_fn(acc, value)
+    )
+    out.append(result_treedef)
+    return [jax.numpy.asarray(x) for x in result_leaves]
+
+  in_avals = [_jax.typeof(x) for x in acc_leaves] + list(avals)
+  try:
+    closed = _jax.trace_to_closed_jaxpr(fold, in_avals, 'reduce_fn')
+  except Exception:  # pylint: disable=broad-except
+    return [], None
+  return list(closed.out_avals), out[-1]
 
 
 def strong(x: tp.Any) -> tp.Any:

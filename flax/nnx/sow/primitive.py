@@ -64,6 +64,9 @@ class Reduction:
   init_fn: tp.Callable[[], tp.Any]
 
 
+_jax.weak_cache_key(Reduction)
+
+
 sow_p = _jax.Primitive('sow')
 sow_p.multiple_results = True
 

@@ -655,12 +655,17 @@ class FreedAfterCallTest(absltest.TestCase):
 
     def run():
       big = jnp.full((3,), 3.0)
+      weights = jnp.full((3,), 0.5)
       model = Probe()
 
       def f(x):
         def body(c, v):
           sow(c * big, name='s', reduce_fn=lambda a, b: a + jnp.sum(b),
               init_fn=lambda: 0.0)
+          # A reduce_fn that closes over an array (the array must not be
+          # kept alive by any cache once the call is over).
+          sow(c, name='w', reduce_fn=lambda a, b: a + jnp.sum(b * weights),
+              init_fn=lambda: 0)
           return c + v, None
 
         c, _ = jax.lax.scan(body, x, jnp.ones((2, 3)))
@@ -668,13 +673,57 @@ class FreedAfterCallTest(absltest.TestCase):
 
       _, collected = capture(f)(jnp.ones(3))
       np.testing.assert_allclose(collected['s'], 3.0 * (3 + 6))
+      np.testing.assert_allclose(collected['w'], 0.5 * (3 + 6))
       _, state = nnx.capture(model, nnx.Intermediate)(jnp.ones(3))
       np.testing.assert_allclose(state['y'][0], [2.0, 2.0, 2.0])
-      return weakref.ref(big), weakref.ref(model), weakref.ref(f)
+      return [weakref.ref(v) for v in (big, weights, model, f)]
 
     refs = run()
     gc.collect()
-    self.assertEqual([r() for r in refs], [None, None, None])
+    self.assertEqual([r() for r in refs], [None] * 4)
+
+
+
+class ReduceClosureFreedTest(parameterized.TestCase):
+
+  @parameterized.parameters('scan', 'while', 'cond', 'jit', 'checkpoint')
+  def test_array_closed_over_by_reduce_fn_is_freed(self, construct):
+    import gc  # pylint: disable=g-import-not-at-top
+    import weakref  # pylint: disable=g-import-not-at-top
+
+    def run():
+      weights = jnp.full((3,), 0.5)
+
+      def red(a, b):
+        return a + jnp.sum(b * weights)
+
+      def mark(x):
+        return sow(x, name='w', reduce_fn=red, init_fn=lambda: 0)
+
+      def f(x):
+        if construct == 'scan':
+          return jax.lax.scan(
+              lambda c, v: (mark(c) + v, None), x, jnp.ones((2, 3))
+          )[0]
+        if construct == 'while':
+          return jax.lax.while_loop(
+              lambda c: c[0] < 3.0, lambda c: mark(c) + 1.0, x
+          )
+        if construct == 'cond':
+          return jax.lax.cond(x[0] > 0, mark, lambda x: x, x)
+        if construct == 'jit':
+          return jax.jit(mark)(x)
+        return jax.checkpoint(mark)(x)
+
+      _, collected = capture(f)(jnp.ones(3))
+      # scan: c = 1 then 2; while: c = 1, 2; otherwise one sow of ones.
+      want = {'scan': 1.5 + 3.0, 'while': 1.5 + 3.0}.get(construct, 1.5)
+      np.testing.assert_allclose(collected['w'], want)
+      return weakref.ref(weights)
+
+    ref = run()
+    gc.collect()
+    self.assertIsNone(ref())
 
 
 if __name__ == '__main__':

@@ -33,6 +33,7 @@ import dataclasses
 import typing as tp
 
 import jax
+import numpy as np
 
 from flax.nnx.sow import _jax
 from flax.nnx.sow.capture import Collector
@@ -61,6 +62,24 @@ def _permuted(closed: _jax.ClosedJaxpr, in_order, out_order, name: str):
     return [outs[i] for i in out_order]
 
   return _jax.trace_to_closed_jaxpr(fn, new_in_avals, name)
+
+
+def _hoisted(closed: _jax.ClosedJaxpr):
+  """``(jaxpr taking its constants as leading inputs, constants)``, cached.
+
+  A rewritten body can hold constants that ``f`` never passed to the loop
+  (an array a ``reduce_fn`` closes over). JAX caches an eagerly run loop's
+  executable by its jaxpr, so such constants would stay alive; passed as
+  operands, as ``lax.scan`` does with closures, they do not.
+  """
+
+  def build():
+    if not closed.consts:
+      return closed, []
+    open_jaxpr, consts = _jax.close_over_nothing(closed)
+    return _jax.ClosedJaxpr(open_jaxpr, ()), consts
+
+  return cached(closed, 'hoisted', build)
 
 
 # ----------------------------------------------------------------------------
@@ -92,15 +111,21 @@ def _scan_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
     )
     return _permuted(rewritten, in_order, out_order, 'scan_capture_body')
 
-  new_body = cached(
-      rewritten, ('scan', n_consts, n_carry, n_acc, n_ys), build
+  new_body, hoisted = _hoisted(
+      cached(rewritten, ('scan', n_consts, n_carry, n_acc, n_ys), build)
   )
   consts, rest = invals[:n_consts], invals[n_consts:]
   outs = _jax.scan_p.bind(
+      *hoisted,
       *consts,
       *acc_in,
       *rest,
-      **dict(p, jaxpr=new_body, num_carry=n_carry + n_acc),
+      **dict(
+          p,
+          jaxpr=new_body,
+          num_consts=len(hoisted) + n_consts,
+          num_carry=n_carry + n_acc,
+      ),
   )
   acc_out = outs[:n_acc]
   ordinary = outs[n_acc : n_acc + n_carry + n_ys]
@@ -172,20 +197,32 @@ def _while_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
 
     return _jax.trace_to_closed_jaxpr(fn, avals, 'while_capture_cond')
 
-  new_body = cached(rewritten, ('while_body', n_bc, n_acc), build_body)
-  new_cond = cached(
-      cond,
-      ('while_cond', n_cc, tuple(_jax.typeof(x) for x in acc_in)),
-      build_cond,
+  new_body, body_hoisted = _hoisted(
+      cached(rewritten, ('while_body', n_bc, n_acc), build_body)
+  )
+  new_cond, cond_hoisted = _hoisted(
+      cached(
+          cond,
+          ('while_cond', n_cc, tuple(_jax.typeof(x) for x in acc_in)),
+          build_cond,
+      )
   )
   cconsts, bconsts = invals[:n_cc], invals[n_cc : n_cc + n_bc]
   carry = invals[n_cc + n_bc :]
   outs = _jax.while_p.bind(
+      *cond_hoisted,
       *cconsts,
+      *body_hoisted,
       *bconsts,
       *acc_in,
       *carry,
-      **dict(p, cond_jaxpr=new_cond, body_jaxpr=new_body),
+      **dict(
+          p,
+          cond_jaxpr=new_cond,
+          body_jaxpr=new_body,
+          cond_nconsts=len(cond_hoisted) + n_cc,
+          body_nconsts=len(body_hoisted) + n_bc,
+      ),
   )
   collector.absorb(layout, outs[:n_acc])
   return outs[n_acc:]
@@ -320,11 +357,43 @@ def _cond_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
   new_branches, layout = align_branches(
       [collector.rewrite(b, specs) for b in branches], n_out, branches
   )
+  new_branches, hoisted = _branches_hoisted(new_branches)
   index, ops = invals[0], invals[1:]
   outs = _jax.cond_p.bind(
-      index, *acc_in, *ops, **dict(eqn.params, branches=new_branches)
+      index,
+      *hoisted,
+      *acc_in,
+      *ops,
+      **dict(eqn.params, branches=new_branches),
   )
   return collector.split_outputs(layout, outs, n_out)
+
+
+def _branches_hoisted(branches):
+  """Branches taking every branch's constants as leading inputs (see
+  :func:`_hoisted`); each reads its own and ignores the others'."""
+  parts = [_hoisted(b) for b in branches]
+  if not any(consts for _, consts in parts):
+    return branches, []
+  avals = [_jax.typeof(c) for _, consts in parts for c in consts]
+  offsets = np.cumsum([0] + [len(consts) for _, consts in parts])
+  new = []
+  for i, (open_branch, consts) in enumerate(parts):
+    lo, hi = int(offsets[i]), int(offsets[i + 1])
+
+    def build(open_branch=open_branch, lo=lo, hi=hi):
+      n = len(avals)
+
+      def fn(*args):
+        return _jax.eval_closed(open_branch, [*args[lo:hi], *args[n:]])
+
+      in_avals = [*avals, *open_branch.in_avals[hi - lo :]]
+      return _jax.trace_to_closed_jaxpr(fn, in_avals, 'cond_capture_consts')
+
+    new.append(
+        cached(open_branch, ('cond_consts', tuple(avals), lo), build)
+    )
+  return tuple(new), [c for _, consts in parts for c in consts]
 
 
 collect_rules[_jax.cond_p] = _cond_rule

@@ -28,12 +28,11 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
-
-import sys
 
 from flax.nnx.sow import capture
 from flax.nnx.sow import invariance

@@ -15,24 +15,59 @@
 """Property-based differential tests of ``capture``.
 
 Hypothesis draws a random program: a tree of nodes that nests ``jax.jit``,
-``lax.scan``, ``lax.cond``/``lax.switch``, ``jax.checkpoint``, ``jax.vmap``
-and ``jax.custom_jvp`` a few levels deep, with plain and reduced sows at
-random places. Two interpreters run the same description:
+``lax.scan``, ``lax.while_loop``, ``lax.cond``/``lax.switch``,
+``jax.checkpoint`` (with policies), ``jax.vmap``, ``jax.custom_jvp``,
+``jax.custom_vjp``, Python loops and inner ``capture`` calls a few levels
+deep, with plain, reduced and tagged sows and ``perturb`` markers at random
+places. Sown values are the running value, a loop-invariant value closed over
+by the body, or a constant; reductions are shared functions or lambdas
+written inline at the site (a new object per call, closing over the Python
+loop variable), with ``init_fn`` returning arrays or Python scalars. Two
+interpreters run the same description:
 
-* :func:`_run_sown` calls ``sow``; ``capture`` collects the values;
-* :func:`_run_explicit` writes the same program without ``sow``: it returns
+* :func:`_run_sown` calls ``sow``/``perturb``/``capture``;
+* :func:`_run_explicit` writes the same program without them: it returns
   every value that would be sown as an extra output (scan ``ys``, extra
-  outputs of jit/checkpoint/custom_jvp/cond, vmap outputs) and threads the
-  reduced names through as extra carries.
+  outputs of jit/checkpoint/custom_jvp/custom_vjp/cond, vmap outputs),
+  threads the reduced names through as extra carries (also of the while
+  loop), routes each sow to the innermost capture whose tags accept it, and
+  adds a zero ``eps`` at every ``perturb``, whose gradient is the expected
+  cotangent.
 
-The test checks that ``capture`` returns exactly what the explicit program
-passes out, and that the program's own output is unchanged. The number of
-examples is ``SOW_HYPOTHESIS_EXAMPLES`` (default 25); the examples are
-derandomized so that every run draws the same programs.
+The properties:
+
+* ``capture(f)`` (eagerly, under ``jax.jit`` and as ``capture(jax.grad)``)
+  returns exactly what the explicit program passes out, and ``f``'s own
+  output is unchanged;
+* the same when the captured function is called inside an enclosing
+  ``jax.jit``, ``lax.scan`` body or ``jax.vmap`` and closes over values of
+  that transform (SPEC *Invariance*, last sentence);
+* ``capture(T(f))`` collects the same names in the same order with the same
+  shapes and primal values as ``capture(f)`` for ``T`` in ``jit``,
+  ``grad``, ``value_and_grad``, ``linearize``, ``jvp`` and ``checkpoint``
+  with several policies (SPEC *Invariance*); ``capture(f)`` itself is
+  checked against the explicit program;
+* a plain name sown in only one branch of a ``cond``, or with another shape,
+  or inside a ``while_loop``, is a ``ValueError`` naming it, wherever the
+  construct sits.
+
+Environment variables:
+
+* ``SOW_HYPOTHESIS_LONG=1``: the long run, ``LONG_EXAMPLES`` examples per
+  property (over 10,000 programs in all; about an hour with
+  ``pytest -n 2``).
+* ``SOW_HYPOTHESIS_EXAMPLES=N``: N examples per property (overrides both).
+* ``SOW_HYPOTHESIS_SEED=N``: draw other programs (by default the examples
+  are derandomized, so every run draws the same ones).
+* ``SOW_HYPOTHESIS_SHRINK=0|1``: whether Hypothesis shrinks a failing
+  example (slow with JAX; on in the long run, off otherwise).
+* ``SOW_HYPOTHESIS_EXCLUDE=a,b``: leave generator features out (see
+  ``FEATURES``), to look past a known failure while triaging.
 """
 
 from __future__ import annotations
 
+import collections
 import os
 
 from absl.testing import absltest
@@ -44,9 +79,50 @@ import jax.numpy as jnp
 import numpy as np
 
 from flax.nnx.sow import capture
+from flax.nnx.sow import perturb
 from flax.nnx.sow import sow
 
-MAX_EXAMPLES = int(os.environ.get('SOW_HYPOTHESIS_EXAMPLES', '25'))
+LONG_EXAMPLES = 2600
+_DEFAULT_EXAMPLES = {
+    'differential': 16,
+    'closure': 8,
+    'invariance': 12,
+    'invalid': 8,
+}
+
+
+def _examples(test):
+  if 'SOW_HYPOTHESIS_EXAMPLES' in os.environ:
+    return int(os.environ['SOW_HYPOTHESIS_EXAMPLES'])
+  if os.environ.get('SOW_HYPOTHESIS_LONG', '') not in ('', '0'):
+    return LONG_EXAMPLES
+  return _DEFAULT_EXAMPLES[test]
+
+
+_SEED = os.environ.get('SOW_HYPOTHESIS_SEED')
+
+# Generator features that SOW_HYPOTHESIS_EXCLUDE can turn off.
+FEATURES = (
+    'inline',  # reduce_fn/init_fn written inline per site, varied init_fn
+    'invariant',  # sows of loop-invariant values and of constants
+    'tags',  # tagged sows and capture(tags=...)
+    'inner',  # a nested capture inside the program
+    'perturb',  # perturb markers
+    'while',  # lax.while_loop
+    'cvjp',  # jax.custom_vjp
+    'pyloop',  # Python for-loops (inline lambdas close over the index)
+    'batched_cond',  # cond on a batched predicate inside vmap
+)
+_EXCLUDED = frozenset(
+    f for f in os.environ.get('SOW_HYPOTHESIS_EXCLUDE', '').split(',') if f
+)
+assert _EXCLUDED <= set(FEATURES), _EXCLUDED
+
+
+def _on(feature):
+  return feature not in _EXCLUDED
+
+
 MAX_DEPTH = 3
 
 # Elementwise-ish steps on the running value ``x`` (float32, shape (2,)).
@@ -59,8 +135,8 @@ OPS = (
     jnp.cos,
 )
 
-# What a plain sow records: a function of ``x`` (index 0 also feeds the
-# sow's result back into the program).
+# What a plain sow records: a function of its source value (index 0 also
+# feeds the sow's result back into the program when the source is ``x``).
 SOWN = (
     lambda x: x,
     lambda x: x * x,
@@ -68,11 +144,20 @@ SOWN = (
     lambda x: {'h': x + 1.0, 'n': jnp.sum(x).astype(jnp.int32)},
 )
 
+# Where a sown value comes from: the running value ``x``; ``q``, a value
+# computed before the innermost enclosing loop and closed over by its body
+# (loop-invariant); a NumPy constant; a Python float.
+SOURCES = ('x', 'q', 'const', 'pyconst')
+CONST = np.array([0.5, -1.5], np.float32)
+
 PLAIN_NAMES = ('a', ('blk', 0, 'h'), 'c')
+PERTURB_NAMES = ('dx', ('grad', 1))
+TAGS = (None, 't1', 't2')
+OUTER_TAGS = (None, (None, 't1'), ('t1', 't2'), (None,))
+INNER_TAGS = (None, ('t1',), ('t2',), ('t1', None))
 
 
-# Reduced names have fixed reductions (one function object per name, as
-# capture requires). Each works on a value of any shape.
+# Shared reductions (one function object per name).
 def _sum_reduce(acc, v):
   return acc + jnp.sum(v)
 
@@ -104,58 +189,87 @@ REDUCTIONS = {
     'count': (_count_reduce, _count_init),
 }
 REDUCED_NAMES = tuple(REDUCTIONS)
+REDUCED_DTYPES = {'sum': jnp.float32, 'max': jnp.float32, 'count': jnp.int32}
 
+# What the init_fn of an inline site returns, and the value it means. A
+# Python scalar init is promoted like jnp.asarray against the reduction.
+INIT_FORMS = {
+    'sum': (
+        lambda: jnp.float32(0.0),
+        lambda: 0,
+        lambda: 1.0,
+        lambda: np.float32(2.0),
+    ),
+    'max': (lambda: jnp.float32(-jnp.inf), lambda: -np.inf, lambda: 0.5),
+    'count': (lambda: jnp.int32(0), lambda: 0, lambda: 3),
+}
+INIT_VALUES = {
+    'sum': (0.0, 0.0, 1.0, 2.0),
+    'max': (-np.inf, -np.inf, 0.5),
+    'count': (0, 0, 3),
+}
+IDENTITY = {'sum': 0.0, 'max': -np.inf, 'count': 0}
 
-def _init_accs():
-  return {n: init() for n, (_, init) in REDUCTIONS.items()}
+CHECKPOINT_POLICIES = (
+    None,
+    jax.checkpoint_policies.dots_saveable,
+    jax.checkpoint_policies.nothing_saveable,
+)
 
-
-def _combine_vmapped(accs, deltas):
-  """Folds per-example accumulators from a ``vmap`` body into ``accs``.
-
-  Inside ``jax.vmap`` a capture reduces a sown value once per example, as
-  if the body had run once per example. The explicit program reduces each
-  example's values from the identity (the ``deltas``, with a leading batch
-  axis) and combines them afterwards: sum, max and count over all examples.
-  """
-  return {
-      'sum': accs['sum'] + jnp.sum(deltas['sum']),
-      'max': jnp.maximum(accs['max'], jnp.max(deltas['max'])),
-      'count': accs['count'] + jnp.sum(deltas['count']),
-  }
-
-
-def _zero_tangent(x):
-  x = jnp.asarray(x)
-  if jnp.issubdtype(x.dtype, jnp.inexact):
-    return jnp.zeros_like(x)
-  return np.zeros(x.shape, jax.dtypes.float0)
-
+Env = collections.namedtuple('Env', 'q i')
 
 # ----------------------------------------------------------------------------
 # Program descriptions.
 #
 #   ('op', k)                        x = OPS[k](x)
-#   ('sow', name, k)                 plain sow of SOWN[k](x)
-#   ('red', name)                    reduced sow of x (reduction by name)
-#   ('jit' | 'remat' | 'cjvp', body) the body under that transform
-#   ('scan', body, length, reverse)  x carried, x + 0.25 * t each step
+#   ('sow', name, k, src, tag)       plain sow of SOWN[k](source)
+#   ('red', name, src, tag, site)    reduced sow of the source; site None:
+#                                    the shared reduction, else (c, iv): an
+#                                    inline lambda with constant c and init
+#                                    form iv
+#   ('perturb', name, tag)           x = perturb(x)
+#   ('jit' | 'cjvp' | 'cvjp', body)  the body under that transform
+#   ('remat', body, policy)          jax.checkpoint(policy=...)
+#   ('scan', body, length, reverse)  x carried, x + 0.25 * t each step; q is
+#                                    sin(x) * 0.5 from before the scan
+#   ('while', body, n)               n iterations of x + 0.1; only reduced
+#                                    sows; not differentiated (stop_gradient)
+#   ('pyloop', body, n)              for i in range(n): body
 #   ('vmap', body)                   the body mapped over [x, 0.5 - x]
 #   ('cond', branches, tail, src)    switch on x or on p; every branch runs
 #                                    its body, then the plain sows in tail
+#   ('inner', body, tags, k)         capture(body, tags=tags); what it
+#                                    collects is sown (tag None) under
+#                                    ('inner', k, repr(names))
 #
-# A body is a tuple of nodes. Plain sows inside a cond branch are only in its
-# tail, so every branch sows the same plain names with the same types.
-# Inside a vmap the branch index comes from p, which is never batched.
+# Plain sows inside a cond branch are only in its tail, so every branch sows
+# the same plain names with the same types. No plain sow in a while loop.
+# perturb only where its cotangent can be collected: not under a custom
+# derivative, a cond, a while loop or an inner capture.
+
+Ctx = collections.namedtuple('Ctx', 'plain pert vmap')
+
+
+def _tag(draw):
+  return draw(st.sampled_from(TAGS)) if _on('tags') else None
+
+
+def _src(draw):
+  return draw(st.sampled_from(SOURCES if _on('invariant') else ('x',)))
 
 
 @st.composite
-def _nodes(draw, depth, plain_ok, in_vmap):
+def _nodes(draw, depth, ctx):
   kinds = ['op', 'red', 'red']
-  if plain_ok:
+  if ctx.plain:
     kinds += ['sow', 'sow']
+  if ctx.pert and _on('perturb'):
+    kinds += ['perturb']
   if depth > 0:
     kinds += ['jit', 'remat', 'cjvp', 'scan', 'vmap', 'cond']
+    kinds += [k for k in ('while', 'cvjp', 'pyloop') if _on(k)]
+    if ctx.plain and _on('inner'):
+      kinds += ['inner']
   kind = draw(st.sampled_from(kinds))
   if kind == 'op':
     return ('op', draw(st.integers(0, len(OPS) - 1)))
@@ -164,51 +278,87 @@ def _nodes(draw, depth, plain_ok, in_vmap):
         'sow',
         draw(st.sampled_from(PLAIN_NAMES)),
         draw(st.integers(0, len(SOWN) - 1)),
+        _src(draw),
+        _tag(draw),
     )
   if kind == 'red':
-    return ('red', draw(st.sampled_from(REDUCED_NAMES)))
-  if kind in ('jit', 'remat', 'cjvp'):
-    return (kind, draw(_bodies(depth - 1, plain_ok, in_vmap)))
+    name = draw(st.sampled_from(REDUCED_NAMES))
+    site = None
+    if _on('inline') and draw(st.booleans()):
+      site = (
+          draw(st.integers(1, 2)),
+          draw(st.integers(0, len(INIT_FORMS[name]) - 1)),
+      )
+    return ('red', name, _src(draw), _tag(draw), site)
+  if kind == 'perturb':
+    return ('perturb', draw(st.sampled_from(PERTURB_NAMES)), _tag(draw))
+  sub = depth - 1
+  if kind == 'jit':
+    return ('jit', draw(_bodies(sub, ctx)))
+  if kind in ('cjvp', 'cvjp'):
+    return (kind, draw(_bodies(sub, ctx._replace(pert=False))))
+  if kind == 'remat':
+    return (
+        'remat',
+        draw(_bodies(sub, ctx)),
+        draw(st.integers(0, len(CHECKPOINT_POLICIES) - 1)),
+    )
   if kind == 'scan':
     return (
         'scan',
-        draw(_bodies(depth - 1, plain_ok, in_vmap)),
+        draw(_bodies(sub, ctx)),
         draw(st.integers(1, 3)),
         draw(st.booleans()),
     )
+  if kind == 'while':
+    body = draw(_bodies(sub, ctx._replace(plain=False, pert=False)))
+    return ('while', body, draw(st.integers(0, 3)))
+  if kind == 'pyloop':
+    return ('pyloop', draw(_bodies(sub, ctx)), draw(st.integers(1, 2)))
   if kind == 'vmap':
-    return ('vmap', draw(_bodies(depth - 1, plain_ok, True)))
+    return ('vmap', draw(_bodies(sub, ctx._replace(vmap=True))))
+  if kind == 'inner':
+    return (
+        'inner',
+        draw(_bodies(sub, ctx._replace(pert=False))),
+        draw(st.sampled_from(INNER_TAGS)) if _on('tags') else None,
+        draw(st.integers(0, 1)),
+    )
+  assert kind == 'cond', kind
   n_branches = draw(st.integers(2, 3))
-  branches = tuple(
-      draw(_bodies(depth - 1, False, in_vmap)) for _ in range(n_branches)
-  )
+  branch_ctx = ctx._replace(plain=False, pert=False)
+  branches = tuple(draw(_bodies(sub, branch_ctx)) for _ in range(n_branches))
   tail = ()
-  if plain_ok:
+  if ctx.plain:
     tail = tuple(
         draw(
             st.lists(
                 st.tuples(
                     st.sampled_from(PLAIN_NAMES),
                     st.integers(0, len(SOWN) - 1),
+                    st.sampled_from(TAGS if _on('tags') else (None,)),
                 ),
                 max_size=2,
             )
         )
     )
-  src = 'p' if in_vmap else draw(st.sampled_from(['x', 'p']))
+  if ctx.vmap and not _on('batched_cond'):
+    src = 'p'
+  else:
+    src = draw(st.sampled_from(['x', 'p']))
   return ('cond', branches, tail, src)
 
 
 @st.composite
-def _bodies(draw, depth, plain_ok=True, in_vmap=False):
+def _bodies(draw, depth, ctx=Ctx(True, True, False)):
   n = draw(st.integers(1, 3))
-  return tuple(draw(_nodes(depth, plain_ok, in_vmap)) for _ in range(n))
+  return tuple(draw(_nodes(depth, ctx)) for _ in range(n))
 
 
-def _branch_index(node, x, p):
-  v = jnp.sum(x) if node[3] == 'x' else p
+def _branch_index(n_branches, src, x, p):
+  v = jnp.sum(x) if src == 'x' else p
   index = (v > 0.0).astype(jnp.int32)
-  if len(node[1]) == 3:
+  if n_branches == 3:
     index = index + (v > 1.0).astype(jnp.int32)
   return index
 
@@ -221,241 +371,700 @@ def _mix(yb):
   return yb[0] * 0.75 + yb[1] * 0.25
 
 
+def _base(src, x, env):
+  if src == 'x':
+    return x
+  if src == 'q':
+    return env.q
+  if src == 'const':
+    return CONST
+  return 1.5
+
+
+def _initial_env(x):
+  return Env(q=jnp.cos(x), i=0)
+
+
 # ----------------------------------------------------------------------------
 # The program with sows.
 
 
-def _run_sown(body, x, p):
+def _run_sown(body, x, p, env):
   for node in body:
-    x, p = _node_sown(node, x, p)
+    x, p = _node_sown(node, x, p, env)
   return x
 
 
-def _node_sown(node, x, p):
+def _node_sown(node, x, p, env):
   kind = node[0]
   if kind == 'op':
     return OPS[node[1]](x), p
   if kind == 'sow':
-    out = sow(SOWN[node[2]](x), name=node[1])
-    return (out if node[2] == 0 else x), p
+    _, name, k, src, tag = node
+    out = sow(SOWN[k](_base(src, x, env)), name=name, tag=tag)
+    return (out if src == 'x' and k == 0 else x), p
   if kind == 'red':
-    reduce_fn, init_fn = REDUCTIONS[node[1]]
-    return sow(x, name=node[1], reduce_fn=reduce_fn, init_fn=init_fn), p
+    _, name, src, tag, site = node
+    if site is None:
+      reduce_fn, init_fn = REDUCTIONS[name]
+    else:
+      # Written inline: new function objects at every call, closing over
+      # the site's constant and the Python loop index.
+      c, iv = site
+      i = env.i
+      init_fn = lambda: INIT_FORMS[name][iv]()
+      if name == 'sum':
+        reduce_fn = lambda a, b: a + (c + i) * jnp.sum(b)
+      elif name == 'max':
+        reduce_fn = lambda a, b, i=i: jnp.maximum(a, jnp.max(b) + (0.5 * c + i))
+      else:
+        reduce_fn = lambda a, b: a + (c + i)
+    out = sow(
+        _base(src, x, env),
+        name=name,
+        tag=tag,
+        reduce_fn=reduce_fn,
+        init_fn=init_fn,
+    )
+    return (out if src == 'x' else x), p
+  if kind == 'perturb':
+    return perturb(x, name=node[1], tag=node[2]), p
   if kind == 'jit':
-    return jax.jit(lambda x, p: _run_sown(node[1], x, p))(x, p), p
+    return jax.jit(lambda x, p: _run_sown(node[1], x, p, env))(x, p), p
   if kind == 'remat':
-    return jax.checkpoint(lambda x, p: _run_sown(node[1], x, p))(x, p), p
+    fn = jax.checkpoint(
+        lambda x, p: _run_sown(node[1], x, p, env),
+        policy=CHECKPOINT_POLICIES[node[2]],
+    )
+    return fn(x, p), p
   if kind == 'cjvp':
 
     @jax.custom_jvp
-    def fn(x, p):
-      return _run_sown(node[1], x, p)
+    def fn(x, p, q):
+      return _run_sown(node[1], x, p, env._replace(q=q))
 
     @fn.defjvp
     def fn_jvp(primals, tangents):
       return fn(*primals), 2.0 * tangents[0]
 
-    return fn(x, p), p
+    return fn(x, p, env.q), p
+  if kind == 'cvjp':
+
+    @jax.custom_vjp
+    def fn(x, p, q):
+      return _run_sown(node[1], x, p, env._replace(q=q))
+
+    def fn_fwd(x, p, q):
+      return _run_sown(node[1], x, p, env._replace(q=q)), None
+
+    def fn_bwd(_, ct):
+      return 2.0 * ct, None, None
+
+    fn.defvjp(fn_fwd, fn_bwd)
+    return fn(x, p, env.q), p
   if kind == 'scan':
+    inner_env = env._replace(q=jnp.sin(x) * 0.5)
 
     def step(carry, t):
       x, p = carry
-      return (_run_sown(node[1], x + t, p), p - 0.7), None
+      return (_run_sown(node[1], x + t, p, inner_env), p - 0.7), None
 
     (x, p), _ = jax.lax.scan(step, (x, p), _steps(node[2]), reverse=node[3])
     return x, p
+  if kind == 'while':
+    n = node[2]
+    inner_env = env._replace(q=jax.lax.stop_gradient(env.q))
+
+    def body_fn(carry):
+      j, y, pp = carry
+      return j + 1, _run_sown(node[1], y + 0.1, pp, inner_env), pp * 0.9
+
+    init = (0, jax.lax.stop_gradient(x), jax.lax.stop_gradient(p))
+    _, y, _ = jax.lax.while_loop(lambda c: c[0] < n, body_fn, init)
+    return x + jax.lax.stop_gradient(y - x), p
+  if kind == 'pyloop':
+    for i in range(node[2]):
+      x = _run_sown(node[1], x, p, env._replace(i=i))
+    return x, p
   if kind == 'vmap':
     xb = jnp.stack([x, 0.5 - x])
-    return _mix(jax.vmap(lambda xi: _run_sown(node[1], xi, p))(xb)), p
+    return _mix(jax.vmap(lambda xi: _run_sown(node[1], xi, p, env))(xb)), p
+  if kind == 'inner':
+    _, body, tags, k = node
+    fn = lambda x, p: _run_sown(body, x, p, env)
+    x, collected = capture(fn, tags=tags)(x, p)
+    value = (jnp.float32(len(collected)), tuple(collected.values()))
+    sow(value, name=('inner', k, repr(list(collected))))
+    return x, p
   if kind == 'cond':
 
     def branch(b):
       def run(x, p):
-        x = _run_sown(b, x, p)
-        for name, k in node[2]:
-          sow(SOWN[k](x), name=name)
+        x = _run_sown(b, x, p, env)
+        for name, k, tag in node[2]:
+          sow(SOWN[k](x), name=name, tag=tag)
         return x
 
       return run
 
     fns = [branch(b) for b in node[1]]
-    return jax.lax.switch(_branch_index(node, x, p), fns, x, p), p
+    index = _branch_index(len(fns), node[3], x, p)
+    return jax.lax.switch(index, fns, x, p), p
   raise AssertionError(node)
+
+
+def _sown_program(program):
+  return lambda x, p: _run_sown(program, x, p, _initial_env(x))
+
+
+# ----------------------------------------------------------------------------
+# Which capture collects what, read off the description.
+
+
+def _accepts(tags):
+  return None if tags is None else frozenset(tags)
+
+
+def _route(levels, tag):
+  """The innermost capture level that accepts ``tag``, or None."""
+  for level in reversed(range(len(levels))):
+    if levels[level] is None or tag in levels[level]:
+      return level
+  return None
+
+
+def _sites(body, levels):
+  """Every sow site as (level, kind, name, site), in program order.
+
+  ``kind`` is 'plain', 'red' or 'pert'; sites collected by an inner capture
+  are replaced by the plain sow of what it collected.
+  """
+  out = []
+  for node in body:
+    kind = node[0]
+    if kind == 'sow':
+      out.append((_route(levels, node[4]), 'plain', node[1], None))
+    elif kind == 'red':
+      out.append((_route(levels, node[3]), 'red', node[1], node[4]))
+    elif kind == 'perturb':
+      out.append((_route(levels, node[2]), 'pert', node[1], None))
+    elif kind == 'cond':
+      for b in node[1]:
+        out += _sites(b, levels)
+        for name, _, tag in node[2]:
+          out.append((_route(levels, tag), 'plain', name, None))
+    elif kind == 'inner':
+      inner_levels = levels + (_accepts(node[2]),)
+      sub = _sites(node[1], inner_levels)
+      out += [s for s in sub if s[0] != len(levels)]
+      out.append(
+          (_route(levels, None), 'plain', _inner_name(node, sub, levels), None)
+      )
+    elif kind != 'op':
+      out += _sites(node[1], levels)
+  return out
+
+
+def _level_names(sites, level, with_perturb):
+  names = {}
+  for lvl, kind, name, _ in sites:
+    if lvl == level and (with_perturb or kind != 'pert'):
+      names.setdefault(name, kind)
+  return names
+
+
+def _inner_name(node, sub, levels):
+  names = _level_names(sub, len(levels), False)
+  return ('inner', node[3], repr(list(names)))
+
+
+def _first_inits(sites, level):
+  """{name: init value} of the first site of each reduced name."""
+  inits = {}
+  for lvl, kind, name, site in sites:
+    if lvl == level and kind == 'red' and name not in inits:
+      value = IDENTITY[name] if site is None else INIT_VALUES[name][site[1]]
+      inits[name] = jnp.asarray(value, REDUCED_DTYPES[name])
+  return inits
+
+
+def _count_perturbs(body):
+  """How many perturb entries one run of ``body`` logs."""
+  n = 0
+  for node in body:
+    if node[0] == 'perturb':
+      n += 1
+    elif node[0] in ('jit', 'remat', 'scan', 'vmap'):
+      n += _count_perturbs(node[1])
+    elif node[0] == 'pyloop':
+      n += node[2] * _count_perturbs(node[1])
+  return n
 
 
 # ----------------------------------------------------------------------------
 # The same program, passing every sown value out by hand.
 #
-# ``log`` is a list of (name, value) for the plain names, in call order; a
-# value sown inside a scan is stacked along a new leading axis, one inside a
-# vmap has the batch axis first. ``accs`` holds every reduced name.
+# ``accs`` maps (level, name) to the accumulator of a reduced name; ``log``
+# lists (kind, level, name, value) for plain sows and perturbs, in call
+# order; a value sown inside a scan is stacked along a new leading axis, one
+# inside a vmap has the batch axis first. ``cx.eps`` hands out the zeros
+# added at the perturbs, in log order.
+
+Cx = collections.namedtuple('Cx', 'levels q i eps')
 
 
-def _run_explicit(body, x, p, accs):
+class _Stream:
+
+  def __init__(self, items):
+    self.items = None if items is None else list(items)
+    self.pos = 0
+
+  def take(self, n):
+    if self.items is None:
+      return None
+    out = self.items[self.pos : self.pos + n]
+    self.pos += n
+    return out
+
+
+def _fold(name, site, i, acc, v):
+  c, i = (1, 0) if site is None else (site[0], i)
+  if name == 'sum':
+    return acc + (c + i) * jnp.sum(v)
+  if name == 'max':
+    offset = 0.0 if site is None else 0.5 * c + i
+    return jnp.maximum(acc, jnp.max(v) + offset)
+  return acc + (c + i)
+
+
+def _combine_vmapped(accs, deltas):
+  """Folds per-example accumulators from a ``vmap`` body into ``accs``.
+
+  Inside ``jax.vmap`` a capture reduces a sown value once per example, as
+  if the body had run once per example. The explicit program reduces each
+  example's values from the identity (the ``deltas``, with a leading batch
+  axis) and combines them afterwards.
+  """
+  out = {}
+  for key, acc in accs.items():
+    d = deltas[key]
+    if key[1] == 'max':
+      out[key] = jnp.maximum(acc, jnp.max(d))
+    else:
+      out[key] = acc + jnp.sum(d)
+  return out
+
+
+def _identity_accs(accs):
+  return {k: jnp.asarray(IDENTITY[k[1]], REDUCED_DTYPES[k[1]]) for k in accs}
+
+
+def _zero_tangent(x):
+  x = jnp.asarray(x)
+  if jnp.issubdtype(x.dtype, jnp.inexact):
+    return jnp.zeros_like(x)
+  return np.zeros(x.shape, jax.dtypes.float0)
+
+
+def _as_arrays(tree):
+  return jax.tree.map(jnp.asarray, tree)
+
+
+def _run_explicit(body, x, p, accs, cx):
   log = []
   for node in body:
-    x, p, accs, entries = _node_explicit(node, x, p, accs)
+    x, p, accs, entries = _node_explicit(node, x, p, accs, cx)
     log.extend(entries)
   return x, accs, log
 
 
-def _wrapped(transform, body):
+def _wrapped(transform, body, cx):
   """``transform`` applied to the body, with the log as extra outputs."""
-  names = []
+  meta = []
 
-  def fn(x, p, accs):
-    x, accs, log = _run_explicit(body, x, p, accs)
-    names[:] = [n for n, _ in log]
-    return x, accs, [v for _, v in log]
+  def fn(x, p, q, accs, eps):
+    x, accs, log = _run_explicit(
+        body, x, p, accs, cx._replace(q=q, eps=_Stream(eps))
+    )
+    meta[:] = [e[:3] for e in log]
+    return x, accs, [e[3] for e in log]
 
-  return transform(fn), names
+  return transform(fn), meta
 
 
-def _node_explicit(node, x, p, accs):
+def _custom_jvp(fn):
+  fn = jax.custom_jvp(fn)
+
+  @fn.defjvp
+  def fn_jvp(primals, tangents):
+    out = fn(*primals)
+    _, accs_out, vals = out
+    zeros = jax.tree.map(_zero_tangent, (accs_out, vals))
+    return out, (2.0 * tangents[0], *zeros)
+
+  return fn
+
+
+def _custom_vjp(fn):
+  f = jax.custom_vjp(fn)
+
+  def fwd(*args):
+    return fn(*args), None
+
+  def bwd(_, cts):
+    return 2.0 * cts[0], None, None, None, None
+
+  f.defvjp(fwd, bwd)
+  return f
+
+
+def _node_explicit(node, x, p, accs, cx):
   kind = node[0]
   if kind == 'op':
     return OPS[node[1]](x), p, accs, []
   if kind == 'sow':
-    v = SOWN[node[2]](x)
-    return (v if node[2] == 0 else x), p, accs, [(node[1], v)]
+    _, name, k, src, tag = node
+    v = SOWN[k](_base(src, x, cx))
+    level = _route(cx.levels, tag)
+    entries = [] if level is None else [('plain', level, name, _as_arrays(v))]
+    return (v if src == 'x' and k == 0 else x), p, accs, entries
   if kind == 'red':
-    reduce_fn, _ = REDUCTIONS[node[1]]
-    accs = dict(accs, **{node[1]: reduce_fn(accs[node[1]], x)})
+    _, name, src, tag, site = node
+    level = _route(cx.levels, tag)
+    if level is not None:
+      acc = _fold(name, site, cx.i, accs[level, name], _base(src, x, cx))
+      accs = {**accs, (level, name): acc}
     return x, p, accs, []
-  if kind in ('jit', 'remat', 'cjvp'):
+  if kind == 'perturb':
+    entries = [('pert', _route(cx.levels, node[2]), node[1], x)]
+    eps = cx.eps.take(1)
+    return (x if eps is None else x + eps[0]), p, accs, entries
+  if kind in ('jit', 'remat', 'cjvp', 'cvjp'):
     if kind == 'jit':
       transform = jax.jit
     elif kind == 'remat':
-      transform = jax.checkpoint
+      policy = CHECKPOINT_POLICIES[node[2]]
+      transform = lambda fn: jax.checkpoint(fn, policy=policy)
+    elif kind == 'cjvp':
+      transform = _custom_jvp
     else:
-
-      def transform(fn):
-        fn = jax.custom_jvp(fn)
-
-        @fn.defjvp
-        def fn_jvp(primals, tangents):
-          out = fn(*primals)
-          x_out, accs_out, vals = out
-          zeros = jax.tree.map(_zero_tangent, (accs_out, vals))
-          return out, (2.0 * tangents[0], *zeros)
-
-        return fn
-
-    fn, names = _wrapped(transform, node[1])
-    x, accs, vals = fn(x, p, accs)
-    return x, p, accs, list(zip(names, vals))
+      transform = _custom_vjp
+    fn, meta = _wrapped(transform, node[1], cx)
+    eps = cx.eps.take(_count_perturbs(node[1]))
+    x, accs, vals = fn(x, p, cx.q, accs, eps)
+    return x, p, accs, [(*m, v) for m, v in zip(meta, vals)]
   if kind == 'scan':
-    names = []
+    meta = []
+    q = jnp.sin(x) * 0.5
+    eps = cx.eps.take(_count_perturbs(node[1]))
 
-    def step(carry, t):
+    def step(carry, xs):
       x, p, accs = carry
-      x, accs, log = _run_explicit(node[1], x + t, p, accs)
-      names[:] = [n for n, _ in log]
-      return (x, p - 0.7, accs), [v for _, v in log]
+      t, e = xs
+      x, accs, log = _run_explicit(
+          node[1], x + t, p, accs, cx._replace(q=q, eps=_Stream(e))
+      )
+      meta[:] = [e[:3] for e in log]
+      return (x, p - 0.7, accs), [e[3] for e in log]
 
     (x, p, accs), ys = jax.lax.scan(
-        step, (x, p, accs), _steps(node[2]), reverse=node[3]
+        step, (x, p, accs), (_steps(node[2]), eps), reverse=node[3]
     )
-    return x, p, accs, list(zip(names, ys))
+    return x, p, accs, [(*m, v) for m, v in zip(meta, ys)]
+  if kind == 'while':
+    n = node[2]
+    stop = jax.lax.stop_gradient
+    inner_cx = cx._replace(q=stop(cx.q), eps=_Stream(None))
+
+    def body_fn(carry):
+      j, y, pp, accs = carry
+      y, accs, log = _run_explicit(node[1], y + 0.1, pp, accs, inner_cx)
+      assert not log, 'no plain sow or perturb in a while loop'
+      return j + 1, y, pp * 0.9, accs
+
+    init = (0, stop(x), stop(p), jax.tree.map(stop, accs))
+    _, y, _, accs = jax.lax.while_loop(lambda c: c[0] < n, body_fn, init)
+    return x + stop(y - x), p, accs, []
+  if kind == 'pyloop':
+    log = []
+    for i in range(node[2]):
+      x, accs, entries = _run_explicit(node[1], x, p, accs, cx._replace(i=i))
+      log += entries
+    return x, p, accs, log
   if kind == 'vmap':
     xb = jnp.stack([x, 0.5 - x])
-    names = []
+    meta = []
+    eps = cx.eps.take(_count_perturbs(node[1]))
 
-    def per_example(xi):
-      y, deltas, log = _run_explicit(node[1], xi, p, _init_accs())
-      names[:] = [n for n, _ in log]
-      return y, deltas, [v for _, v in log]
+    def per_example(xi, e):
+      y, deltas, log = _run_explicit(
+          node[1], xi, p, _identity_accs(accs), cx._replace(eps=_Stream(e))
+      )
+      meta[:] = [e[:3] for e in log]
+      return y, deltas, [e[3] for e in log]
 
-    yb, deltas, vals = jax.vmap(per_example)(xb)
+    yb, deltas, vals = jax.vmap(per_example)(xb, eps)
     accs = _combine_vmapped(accs, deltas)
-    return _mix(yb), p, accs, list(zip(names, vals))
+    return _mix(yb), p, accs, [(*m, v) for m, v in zip(meta, vals)]
+  if kind == 'inner':
+    _, body, tags, _ = node
+    levels = cx.levels + (_accepts(tags),)
+    level = len(cx.levels)
+    sub = _sites(body, levels)
+    inits = _first_inits(sub, level)
+    accs_in = {**accs, **{(level, n): v for n, v in inits.items()}}
+    x, accs_out, log = _run_explicit(
+        body, x, p, accs_in, cx._replace(levels=levels)
+    )
+    values = []
+    for name, name_kind in _level_names(sub, level, False).items():
+      if name_kind == 'red':
+        values.append(accs_out[level, name])
+      else:
+        values.append(
+            tuple(e[3] for e in log if e[1] == level and e[2] == name)
+        )
+    accs = {k: v for k, v in accs_out.items() if k[0] != level}
+    log = [e for e in log if e[1] != level]
+    out_level = _route(cx.levels, None)
+    if out_level is not None:
+      value = (jnp.float32(len(values)), tuple(values))
+      log.append(('plain', out_level, _inner_name(node, sub, cx.levels), value))
+    return x, p, accs, log
   if kind == 'cond':
 
     def branch(b):
       def run(x, p, accs):
-        x, accs, log = _run_explicit(b, x, p, accs)
+        x, accs, log = _run_explicit(b, x, p, accs, cx)
         assert not log, 'plain sows in a branch are only in its tail'
-        return x, accs, [SOWN[k](x) for _, k in node[2]]
+        return x, accs, [SOWN[k](x) for _, k, _ in node[2]]
 
       return run
 
     fns = [branch(b) for b in node[1]]
-    x, accs, vals = jax.lax.switch(
-        _branch_index(node, x, p), fns, x, p, accs
-    )
-    return x, p, accs, [(n, v) for (n, _), v in zip(node[2], vals)]
+    index = _branch_index(len(fns), node[3], x, p)
+    x, accs, vals = jax.lax.switch(index, fns, x, p, accs)
+    entries = []
+    for (name, _, tag), v in zip(node[2], vals):
+      level = _route(cx.levels, tag)
+      if level is not None:
+        entries.append(('plain', level, name, v))
+    return x, p, accs, entries
   raise AssertionError(node)
 
 
-def _names_in_order(body, out=None):
-  """Every sown name, in order of first appearance in the program.
+class Explicit:
+  """The explicit program of a description, and what capture should return.
 
-  A ``cond`` lists its branches' names branch by branch.
+  ``fn(x, p, eps) -> (y, (accs, values))``; ``eps`` is None (no perturb
+  adds anything) or one zero per perturb entry (see :meth:`zero_eps`).
   """
-  out = {} if out is None else out
+
+  def __init__(self, program, tags=None):
+    self.program = program
+    self.levels = (_accepts(tags),)
+    self.sites = _sites(program, self.levels)
+    self.meta = []
+
+  def fn(self, x, p, eps=None):
+    accs = {(0, n): v for n, v in _first_inits(self.sites, 0).items()}
+    cx = Cx(self.levels, None, 0, _Stream(eps))
+    cx = cx._replace(q=_initial_env(x).q)
+    x, accs, log = _run_explicit(self.program, x, p, accs, cx)
+    self.meta[:] = [e[:3] for e in log]
+    return x, (accs, [e[3] for e in log])
+
+  def zero_eps(self, x, p):
+    _, (_, vals) = jax.eval_shape(self.fn, x, p)
+    return [
+        jnp.zeros(v.shape, v.dtype)
+        for m, v in zip(self.meta, vals)
+        if m[0] == 'pert'
+    ]
+
+  def expected(self, accs, vals, cotangents=None):
+    """The collected dict; perturb names only when ``cotangents`` given."""
+    expected = {}
+    perts = [m for m in self.meta if m[0] == 'pert']
+    with_perturb = cotangents is not None
+    for name, kind in _level_names(self.sites, 0, with_perturb).items():
+      if kind == 'red':
+        expected[name] = accs[0, name]
+      elif kind == 'plain':
+        expected[name] = tuple(
+            v for m, v in zip(self.meta, vals) if m == ('plain', 0, name)
+        )
+      else:
+        expected[name] = tuple(
+            c for m, c in zip(perts, cotangents) if m == ('pert', 0, name)
+        )
+    return expected
+
+  def perturb_names(self):
+    return {s[2] for s in self.sites if s[1] == 'pert'}
+
+
+# ----------------------------------------------------------------------------
+# Transforms T for capture(T(f)) (SPEC *Invariance*). Each takes
+# f(x, p) -> y and returns a function of (x, p).
+
+
+def _loss(f):
+  return lambda x, p: jnp.sum(f(x, p))
+
+
+def _linearized(f):
+  def g(x, p):
+    y, f_jvp = jax.linearize(lambda x: f(x, p), x)
+    return y, f_jvp(jnp.ones_like(x))
+
+  return g
+
+
+def _grad_remat(policy):
+  return lambda f: jax.grad(_loss(jax.checkpoint(f, policy=policy)))
+
+
+TRANSFORMS = {
+    'jit': jax.jit,
+    'grad': lambda f: jax.grad(_loss(f)),
+    'value_and_grad': lambda f: jax.value_and_grad(_loss(f)),
+    'linearize': _linearized,
+    'jvp': lambda f: (
+        lambda x, p: jax.jvp(lambda x: f(x, p), (x,), (jnp.ones_like(x),))
+    ),
+    'checkpoint': jax.checkpoint,
+    'checkpoint_dots': lambda f: jax.checkpoint(
+        f, policy=jax.checkpoint_policies.dots_saveable
+    ),
+    'grad_checkpoint': _grad_remat(None),
+    'grad_checkpoint_dots': _grad_remat(jax.checkpoint_policies.dots_saveable),
+    'grad_checkpoint_nothing': _grad_remat(
+        jax.checkpoint_policies.nothing_saveable
+    ),
+    'jit_grad': lambda f: jax.jit(jax.grad(_loss(f))),
+}
+FORWARD_MODE = ('jvp', 'linearize')
+
+
+def _contains(body, kind):
   for node in body:
-    kind = node[0]
-    if kind in ('sow', 'red'):
-      out.setdefault(node[1], None)
-    elif kind in ('jit', 'remat', 'cjvp', 'scan', 'vmap'):
-      _names_in_order(node[1], out)
-    elif kind == 'cond':
-      # Branch by branch, each in its own order (its shared plain names are
-      # sown at its end).
-      for b in node[1]:
-        _names_in_order(b, out)
-        for name, _ in node[2]:
-          out.setdefault(name, None)
-  return out
+    if node[0] == kind:
+      return True
+    if node[0] == 'cond':
+      if any(_contains(b, kind) for b in node[1]):
+        return True
+    elif (
+        len(node) > 1
+        and isinstance(node[1], tuple)
+        and node[0] not in ('sow', 'red', 'perturb')
+    ):
+      if _contains(node[1], kind):
+        return True
+  return False
 
 
-def _expected_collected(program, accs, log):
-  expected = {}
-  for name in _names_in_order(program):
-    if name in REDUCTIONS:
-      expected[name] = accs[name]
-    else:
-      expected[name] = tuple(v for n, v in log if n == name)
-  return expected
+# ----------------------------------------------------------------------------
+# Programs that must be rejected.
+#
+#   ('badcond', name, src, how)  a switch whose branch 0 sows ``name``;
+#                                branch 1 does not ('missing') or sows a
+#                                scalar ('shape')
+#   ('badwhile', name)           a plain sow in a while loop
+# wrapped in jit/scan/vmap/remat layers.
 
+
+def _run_bad(node, x, p):
+  if node[0] == 'badcond':
+    _, name, src, how = node
+
+    def sows(x):
+      return sow(x * 2.0, name=name) * 0.5
+
+    def other(x):
+      if how == 'shape':
+        sow(jnp.sum(x), name=name)
+      return x
+
+    index = _branch_index(2, src, x, p)
+    return jax.lax.switch(index, [sows, other], x)
+  _, name = node
+
+  def body_fn(carry):
+    j, y = carry
+    return j + 1, sow(y * 0.5, name=name)
+
+  return jax.lax.while_loop(lambda c: c[0] < 2, body_fn, (0, x))[1]
+
+
+def _run_wrapped_bad(layers, node, x, p):
+  if not layers:
+    return _run_bad(node, x, p)
+  layer, rest = layers[0], layers[1:]
+  inner = lambda x: _run_wrapped_bad(rest, node, x, p)
+  if layer == 'jit':
+    return jax.jit(inner)(x)
+  if layer == 'remat':
+    return jax.checkpoint(inner)(x)
+  if layer == 'vmap':
+    return _mix(jax.vmap(inner)(jnp.stack([x, 0.5 - x])))
+  return jax.lax.scan(lambda c, t: (inner(c + t), None), x, _steps(2))[0]
+
+
+# ----------------------------------------------------------------------------
+# The tests.
 
 X0 = np.array([0.3, -0.8], np.float32)
 P0 = np.float32(0.6)
 
 
-def _plain(program):
-  return lambda x, p: _run_sown(program, x, p)
+def _shrink():
+  default = os.environ.get('SOW_HYPOTHESIS_LONG', '') not in ('', '0')
+  flag = os.environ.get('SOW_HYPOTHESIS_SHRINK')
+  return default if flag is None else flag not in ('', '0')
 
 
-def _explicit(program):
-  """The explicit program: ``fn(x, p) -> (x, (accs, values))``, and names.
+def _settings(test):
+  phases = [hypothesis.Phase.explicit, hypothesis.Phase.generate]
+  if _shrink():
+    phases.append(hypothesis.Phase.shrink)
+  settings = hypothesis.settings(
+      max_examples=_examples(test),
+      deadline=None,
+      derandomize=_SEED is None,
+      database=None,
+      phases=phases,
+      suppress_health_check=list(hypothesis.HealthCheck),
+      print_blob=False,
+  )
 
-  ``values[i]`` is the plain entry sown under ``names[i]``, in call order.
-  """
-  names = []
+  def decorate(fn):
+    fn = settings(fn)
+    if _SEED is not None:
+      fn = hypothesis.seed(int(_SEED))(fn)
+    return fn
 
-  def fn(x, p):
-    x, accs, log = _run_explicit(program, x, p, _init_accs())
-    names[:] = [n for n, _ in log]
-    return x, (accs, [v for _, v in log])
-
-  return fn, names
+  return decorate
 
 
-class DifferentialTest(parameterized.TestCase):
+def _tags_strategy():
+  return st.sampled_from(OUTER_TAGS if _on('tags') else (None,))
 
-  def assert_collected(self, collected, expected):
+
+class PropertyTest(parameterized.TestCase):
+
+  def assert_collected(self, collected, expected, rtol=2e-5):
+    self.assertIsInstance(collected, dict)
     self.assertCountEqual(list(collected), list(expected))
     for name, want in expected.items():
       got = collected[name]
       if name in REDUCTIONS:
+        got = jnp.asarray(got)
         self.assertEqual(got.shape, want.shape, name)
         self.assertEqual(got.dtype, want.dtype, name)
-        if name == 'sum':
-          # Summed in a different order than the explicit program.
-          np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-        else:
-          np.testing.assert_array_equal(got, want, err_msg=str(name))
+        np.testing.assert_allclose(
+            got, want, rtol=rtol, atol=rtol, err_msg=str(name)
+        )
         continue
       self.assertIsInstance(got, tuple, name)
       self.assertLen(got, len(want), name)
@@ -464,57 +1073,155 @@ class DifferentialTest(parameterized.TestCase):
         wl, wt = jax.tree.flatten(w)
         self.assertEqual(gt, wt, (name, i))
         for a, b in zip(gl, wl):
+          a, b = jnp.asarray(a), jnp.asarray(b)
           self.assertEqual(a.shape, b.shape, (name, i))
           self.assertEqual(a.dtype, b.dtype, (name, i))
           np.testing.assert_allclose(
-              a, b, rtol=1e-6, atol=1e-6, err_msg=f'{name!r} entry {i}'
+              a, b, rtol=rtol, atol=rtol, err_msg=f'{name!r} entry {i}'
           )
     # SPEC: keys in order of first sow (checked after the values).
     self.assertEqual(list(collected), list(expected))
 
-  @hypothesis.settings(
-      max_examples=MAX_EXAMPLES,
-      deadline=None,
-      derandomize=True,
-      database=None,
-      suppress_health_check=list(hypothesis.HealthCheck),
-  )
+  @_settings('differential')
   @hypothesis.given(
       program=_bodies(MAX_DEPTH),
       outer=st.sampled_from(['eager', 'jit', 'grad']),
+      tags=_tags_strategy(),
   )
-  def test_capture_matches_explicit_program(self, program, outer):
+  def test_capture_matches_explicit_program(self, program, outer, tags):
     x, p = jnp.asarray(X0), jnp.asarray(P0)
+    f = _sown_program(program)
+    explicit = Explicit(program, tags)
     if outer == 'grad':
-      # Differentiate the program: capture collects primal values.
-      def loss(x, p):
-        return jnp.sum(_run_sown(program, x, p))
+      # Differentiate the program: capture collects primal values of sows
+      # and the cotangents at perturbs, which are the gradient with respect
+      # to a zero added there.
+      eps = explicit.zero_eps(x, p)
 
-      explicit, names = _explicit(program)
-
-      def loss_explicit(x, p):
-        y, aux = explicit(x, p)
+      def loss_explicit(x, eps, p):
+        y, aux = explicit.fn(x, p, eps)
         return jnp.sum(y), aux
 
-      out, collected = capture(jax.grad(loss))(x, p)
-      want_out, (accs, vals) = jax.grad(loss_explicit, has_aux=True)(x, p)
-      plain_out = jax.grad(loss)(x, p)
+      out, collected = capture(jax.grad(_loss(f)), tags=tags)(x, p)
+      (want_out, cotangents), (accs, vals) = jax.grad(
+          loss_explicit, argnums=(0, 1), has_aux=True
+      )(x, eps, p)
+      plain_out = jax.grad(_loss(f))(x, p)
       # The same gradient computation with and without capture.
-      np.testing.assert_array_equal(out, plain_out)
-      np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-6)
+      np.testing.assert_allclose(out, plain_out, rtol=1e-6, atol=1e-6)
+      np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
+      expected = explicit.expected(accs, vals, cotangents)
     else:
       wrap = jax.jit if outer == 'jit' else (lambda f: f)
-      out, collected = wrap(capture(_plain(program)))(x, p)
-      explicit, names = _explicit(program)
-      want_out, (accs, vals) = wrap(explicit)(x, p)
-      plain_out = wrap(_plain(program))(x, p)
-      # The program's own output is the same computation with or without
-      # capture: bitwise equal.
-      np.testing.assert_array_equal(out, plain_out)
-      np.testing.assert_allclose(out, want_out, rtol=1e-6, atol=1e-6)
-    self.assert_collected(
-        collected,
-        _expected_collected(program, accs, list(zip(names, vals))),
+      out, collected = wrap(capture(f, tags=tags))(x, p)
+      want_out, (accs, vals) = wrap(explicit.fn)(x, p)
+      plain_out = wrap(f)(x, p)
+      np.testing.assert_allclose(out, plain_out, rtol=1e-6, atol=1e-6)
+      np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
+      expected = explicit.expected(accs, vals)
+    self.assert_collected(collected, expected)
+
+  @_settings('closure')
+  @hypothesis.given(
+      program=_bodies(MAX_DEPTH - 1),
+      enclosing=st.sampled_from(['jit', 'scan', 'vmap']),
+      pass_x=st.booleans(),
+      tags=_tags_strategy(),
+  )
+  def test_closure_over_enclosing_tracer(
+      self, program, enclosing, pass_x, tags
+  ):
+    # The captured function closes over p (and x unless pass_x), which are
+    # tracers of an enclosing jit, scan body or vmap.
+    x, p = jnp.asarray(X0), jnp.asarray(P0)
+    f = _sown_program(program)
+    explicit = Explicit(program, tags)
+
+    def captured(x, p):
+      if pass_x:
+        return capture(lambda x: f(x, p), tags=tags)(x)
+      return capture(lambda: f(x, p), tags=tags)()
+
+    def wanted(x, p):
+      y, (accs, vals) = explicit.fn(x, p)
+      return y, (accs, vals)
+
+    def enclose(fn):
+      if enclosing == 'jit':
+        return jax.jit(fn)(x, p)
+      if enclosing == 'vmap':
+        xs = jnp.stack([x, x * 0.5 + 0.1])
+        return jax.vmap(fn)(xs, p + jnp.array([0.0, 0.9]))
+
+      def step(carry, t):
+        xc, pc = carry
+        out = fn(xc + t, pc - t)
+        return (xc * 0.9, pc - 0.5), out
+
+      return jax.lax.scan(step, (x, p), _steps(2))[1]
+
+    out, collected = enclose(captured)
+    want_out, (accs, vals) = enclose(wanted)
+    np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
+    self.assert_collected(collected, explicit.expected(accs, vals))
+
+  @_settings('invariance')
+  @hypothesis.given(
+      program=_bodies(MAX_DEPTH),
+      transform=st.sampled_from(sorted(TRANSFORMS)),
+      tags=_tags_strategy(),
+  )
+  def test_invariance_under_transforms(self, program, transform, tags):
+    if transform in FORWARD_MODE:
+      # JAX has no forward mode for custom_vjp.
+      hypothesis.assume(not _contains(program, 'cvjp'))
+    x, p = jnp.asarray(X0), jnp.asarray(P0)
+    f = _sown_program(program)
+    explicit = Explicit(program, tags)
+    # capture(f) itself is what the explicit program passes out.
+    _, base = capture(f, tags=tags)(x, p)
+    _, (accs, vals) = explicit.fn(x, p)
+    self.assert_collected(base, explicit.expected(accs, vals))
+    # capture(T(f)) collects the same primal values; perturb cotangents are
+    # only there under reverse mode (checked by the differential test).
+    t_f = TRANSFORMS[transform](f)
+    out, collected = capture(t_f, tags=tags)(x, p)
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(t_f(x, p))):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    perturbs = explicit.perturb_names()
+    collected = {k: v for k, v in collected.items() if k not in perturbs}
+    self.assert_collected(collected, base, rtol=1e-5)
+
+  @_settings('invalid')
+  @hypothesis.given(
+      program=_bodies(1),
+      bad=st.one_of(
+          st.tuples(
+              st.just('badcond'),
+              st.sampled_from(PLAIN_NAMES),
+              st.sampled_from(['x', 'p']),
+              st.sampled_from(['missing', 'shape']),
+          ),
+          st.tuples(st.just('badwhile'), st.sampled_from(PLAIN_NAMES)),
+      ),
+      layers=st.lists(
+          st.sampled_from(['jit', 'scan', 'vmap', 'remat']), max_size=2
+      ),
+  )
+  def test_invalid_plain_sows_raise(self, program, bad, layers):
+    x, p = jnp.asarray(X0), jnp.asarray(P0)
+
+    def f(x, p):
+      y = _run_sown(program, x, p, _initial_env(x))
+      return _run_wrapped_bad(tuple(layers), bad, y, p)
+
+    with self.assertRaises(ValueError) as cm:
+      capture(f)(x, p)
+    message = str(cm.exception)
+    name = bad[1]
+    self.assertTrue(
+        repr(name) in message or str(name) in message,
+        f'the error does not name {name!r}: {message}',
     )
 
 

@@ -842,18 +842,16 @@ def capture(
 
 
 def _capture_call(f, accepts_key, args, kwargs):
-  if graph_lib.has_graph_nodes((args, kwargs)):
-    # NNX graph nodes (modules, optimizers, Rngs) among the arguments: their
-    # state is traced and the updates ``f`` makes reach the caller's objects,
-    # as with ``nnx.jit``.
-    return graph_lib.functional_graph_call(
-        lambda pure_f, a, kw: stage_and_collect(pure_f, accepts_key, a, kw),
-        f,
-        args,
-        kwargs,
-        tags=accepts_key,
-    )
-  return stage_and_collect(f, accepts_key, args, kwargs)
+  # Every call runs with a path scope for ``Module.sow`` (graph.py); NNX graph
+  # nodes among the arguments are split, traced and updated as ``nnx.jit``
+  # does, so the updates ``f`` makes reach the caller's objects.
+  return graph_lib.functional_graph_call(
+      lambda pure_f, a, kw: stage_and_collect(pure_f, accepts_key, a, kw),
+      f,
+      args,
+      kwargs,
+      tags=accepts_key,
+  )
 
 
 def stage_and_collect(

@@ -12,41 +12,34 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""NNX graph nodes among the arguments of a capture.
+"""NNX graph nodes in a capture call, and the path scope around it.
 
 ``capture(f)(model, x)`` and the ``nnx.capture`` shim stage a call whose
-arguments hold Flax NNX graph nodes (Modules, Variables, ``Rngs``,
+arguments may hold Flax NNX graph nodes (Modules, Variables, ``Rngs``,
 optimizers). :func:`functional_graph_call` does around the staging what
 ``nnx.jit`` does around ``jax.jit``: split the nodes into their state
 outside, merge them into fresh objects inside, and write the updates into the
-caller's objects afterwards, for plain, ref and Hijax Variables. Modules met inside sow under their path from the argument they
-belong to (``paths.py``).
+caller's objects afterwards, for plain, ref and Hijax Variables. Every
+capture call, with graph nodes among its arguments or not, runs with a path
+scope (``paths.py``) active, so a ``Module.sow`` inside it is named by the
+module's path: from the argument it belongs to, from a module ``f`` refers
+to, or from an object ``f`` builds with ``nnx.merge``.
 """
 
 from __future__ import annotations
 
+import functools
 import typing as tp
 
 import jax
 from flax import nnx
 
-# Flax internals (adapt here for a new Flax release).
-from flax.nnx import graphlib as _graphlib
-
 from flax.nnx.sow.paths import ActiveScope
 from flax.nnx.sow.paths import Scope
 from flax.nnx.sow.paths import is_graph_leaf
-
-
-def has_graph_nodes(tree: tp.Any) -> bool:
-  """Whether ``tree`` holds an NNX graph node or Variable."""
-  return any(
-      is_graph_leaf(x) for x in jax.tree.leaves(tree, is_leaf=is_graph_leaf)
-  )
-
-
-def _is_graph_node(x: tp.Any) -> bool:
-  return _graphlib.is_graph_node(x) and not isinstance(x, nnx.Variable)
+from flax.nnx.sow.paths import is_graph_node as _is_graph_node
+from flax.nnx.sow.paths import referenced_graph_nodes
+from flax.nnx.sow.paths import trace_key
 
 
 def _is_traced(path: tp.Any, variable: tp.Any) -> bool:
@@ -84,19 +77,23 @@ def functional_graph_call(
     *,
     tags: tp.Iterable[tp.Hashable] | None = None,
     scope: Scope | None = None,
+    refers_to: tp.Any = None,
 ) -> tuple[tp.Any, tp.Any]:
-  """Runs ``stage`` on a pure version of ``f`` whose graph nodes are split.
+  """Runs ``stage`` on ``f`` with a path scope active and graph nodes split.
 
-  This is what ``nnx.jit`` does around ``jax.jit``, with ``stage`` in place
-  of ``jax.jit``. The graph nodes and Variables among ``args``/``kwargs`` are
-  split together (shared references are kept) into the state of their plain
-  and ref Variables, which ``stage`` traces, and their Hijax Variables,
-  which reach ``f`` as they are (JAX stages their updates on the caller's
-  objects). Inside, ``pure_f`` merges fresh nodes, calls ``f`` with module
-  paths known (``paths.py``), and returns the plain Variables' new state;
-  afterwards the caller's nodes are updated from it, unless nothing changed
-  (so a capture inside a ``jax.jit`` that closes over a model which does not
-  update its state works). Ref Variables are updated in place.
+  The scope's roots are the graph nodes among ``args``/``kwargs`` and those
+  ``refers_to`` (default ``f``) refers to (``paths.referenced_graph_nodes``),
+  all at path ``()``. Without graph nodes among the arguments, ``stage`` runs
+  on ``f`` itself. With them, this is what ``nnx.jit`` does around
+  ``jax.jit``, with ``stage`` in place of ``jax.jit``: the graph nodes and
+  Variables are split together (shared references are kept) into the state
+  of their plain and ref Variables, which ``stage`` traces, and their Hijax
+  Variables, which reach ``f`` as they are (JAX stages their updates on the
+  caller's objects). Inside, ``pure_f`` merges fresh nodes, calls ``f``, and
+  returns the plain Variables' new state; afterwards the caller's nodes are
+  updated from it, unless nothing changed (so a capture inside a ``jax.jit``
+  that closes over a model which does not update its state works). Ref
+  Variables are updated in place.
 
   Args:
     stage: ``stage(pure_f, pure_args, pure_kwargs) -> (pure_out, extra)``;
@@ -108,6 +105,8 @@ def functional_graph_call(
     tags: the tags the enclosing capture accepts (``None``: all); they decide
       what ``Module.sow`` returns inside ``f``.
     scope: the path scope to use (the ``nnx.capture`` shim passes its own).
+    refers_to: where to look for the graph nodes ``f`` refers to, when ``f``
+      wraps the user's function.
 
   Returns:
     ``(out, extra)``: ``f``'s output, where a graph node that ``f`` received
@@ -122,6 +121,21 @@ def functional_graph_call(
   for node in nodes:
     if _is_graph_node(node):
       scope.add_root(node)
+  for node in referenced_graph_nodes(f if refers_to is None else refers_to):
+    scope.add_root(node)
+  with ActiveScope(scope):
+    if not nodes:
+
+      @functools.wraps(f)
+      def keyed_f(*a, **k):
+        with trace_key():
+          return f(*a, **k)
+
+      return stage(keyed_f, args, kwargs)
+    return _split_call(stage, f, scope, leaves, treedef, positions, nodes)
+
+
+def _split_call(stage, f, scope, leaves, treedef, positions, nodes):
   graphdef, traced, kept = nnx.split(nodes, _is_traced, ...)
   before = jax.tree.leaves(nnx.state(nodes, _is_plain))
   rest = list(leaves)
@@ -133,11 +147,9 @@ def functional_graph_call(
     full = list(rest)
     for i, node in zip(positions, inner):
       full[i] = node
-    for node in inner:
-      if _is_graph_node(node):
-        scope.add_root(node)
+    scope.pair(nodes, inner)  # the fresh nodes get the caller's paths
     inner_args, inner_kwargs = jax.tree.unflatten(treedef, full)
-    with ActiveScope(scope):
+    with trace_key():
       out = f(*inner_args, **inner_kwargs)
     index = {id(node): k for k, node in enumerate(inner)}
 
@@ -157,6 +169,7 @@ def functional_graph_call(
       a is not b for a, b in zip(after, before)
   ):
     nnx.update(nodes, updates)
+
   def uncross(x):
     if isinstance(x, _Slot):
       return nodes[x.index]

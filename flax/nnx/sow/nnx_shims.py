@@ -29,7 +29,8 @@ graph nodes among the arguments are handled as ``nnx.jit`` does
 (``graph.py``). No attribute is set on any module.
 
 :func:`install` patches Flax (``Module.sow``, ``Module.perturb``,
-``nnx.capture``); :func:`uninstall` restores the originals. Both are
+``nnx.capture``, and the split/merge hooks of ``paths.py``);
+:func:`uninstall` restores the originals. Both are
 idempotent. Every use of a Flax internal is in the block below.
 """
 
@@ -56,6 +57,7 @@ from flax.nnx import variablelib as _variablelib
 from flax.nnx.sow import state as state_lib
 from flax.nnx.sow.capture import stage_and_collect
 from flax.nnx.sow.graph import functional_graph_call
+from flax.nnx.sow import paths as paths_lib
 from flax.nnx.sow.paths import LOCAL
 from flax.nnx.sow.paths import Path
 from flax.nnx.sow.paths import Scope
@@ -233,6 +235,39 @@ def _legacy_perturb(self, name, value, variable_type):
   return jax.tree.map(operator.add, current, value)
 
 
+def _unnamed(self, variable_type, name, what: str) -> bool:
+  """A sow inside a capture by a module no active capture can name.
+
+  Raises when a capture would collect it; otherwise nothing collects it, and
+  it returns ``False`` like a sow no capture requests.
+  """
+  if not any(scope.accepts(variable_type) for scope in LOCAL.scopes):
+    return False
+  where = f'Module.{what}({variable_type.__name__}, {name!r}) in' + (
+      f' {type(self).__name__}: no active capture can tell which module this'
+      ' is, so the value has no name.'
+  )
+  matches = sorted(
+      {p for s in LOCAL.scopes for p in s.structural_matches(self)}, key=repr
+  )
+  if len(matches) > 1:
+    raise ValueError(
+        f'{where} It is a copy of one of the modules at'
+        f' {", ".join(map(repr, matches))}, which have the same structure:'
+        ' a plain JAX transform (jax.jit, jax.vmap, ...) copied a Module'
+        ' passed to it as a pytree. Use the NNX transform instead (nnx.jit,'
+        ' nnx.vmap, ...; graph=False works too), or let the transformed'
+        ' function close over the module instead of taking it as an'
+        ' argument.'
+    )
+  raise ValueError(
+      f'{where} Pass the module (or one that contains it) as an argument of'
+      ' the captured function, refer to it from that function, or build it'
+      ' there with nnx.merge(graphdef, state); a module created inside the'
+      ' captured function has no path.'
+  )
+
+
 def _variable_type(variable_type, what: str) -> type:
   if isinstance(variable_type, str):
     return _variablelib.variable_type_from_name(
@@ -262,17 +297,28 @@ def module_sow(
   name), tag=variable_type)``, where ``path`` is the module's path from the
   captured root. Flax's default ``reduce_fn``/``init_fn`` (a tuple of values)
   is a plain sow; any other pair is a reduced sow, whose accumulator is
-  carried through loops. Outside any capture it keeps Flax's legacy
+  carried through loops. The module's path comes from ``paths.py``: a
+  module among the capture's arguments or referred to by the captured
+  function, one inside them, a copy an NNX transform or ``nnx.merge`` made
+  of one, or an object ``nnx.merge`` built from a graphdef split before the
+  capture (a root at ``()``). Outside any capture it keeps Flax's legacy
   behaviour: the value goes to a Variable attribute named ``name`` (read it
   with ``nnx.pop``), with a ``DeprecationWarning``.
 
   Returns:
     ``True`` when an active capture collects ``variable_type`` exactly (or,
     outside any capture, as Flax's original returns).
+
+  Raises:
+    ValueError: inside a capture that collects ``variable_type``, when no
+      capture can name this module (e.g. it was created inside the captured
+      function).
   """
   variable_type = _variable_type(variable_type, 'Module.sow')
   located = locate(self, variable_type)
   if located is None:
+    if LOCAL.scopes:
+      return _unnamed(self, variable_type, name, 'sow')
     return _legacy_sow(self, variable_type, name, value, reduce_fn, init_fn)
   scope, path, accepted = located
   full = (*path, name)
@@ -288,7 +334,10 @@ def module_sow(
     sow(value, name=full, tag=variable_type)
   else:
     sow(
-        value, name=full, tag=variable_type, reduce_fn=reduction[0],
+        value,
+        name=full,
+        tag=variable_type,
+        reduce_fn=reduction[0],
         init_fn=reduction[1],
     )
   return accepted
@@ -313,6 +362,9 @@ def module_perturb(self, name: str, value, variable_type=nnx.Perturbation):
   variable_type = _variable_type(variable_type, 'Module.perturb')
   located = locate(self, variable_type)
   if located is None:
+    if LOCAL.scopes:
+      _unnamed(self, variable_type, name, 'perturb')
+      return value
     return _legacy_perturb(self, name, value, variable_type)
   scope, path, accepted = located
   full = (*path, name)
@@ -321,9 +373,7 @@ def module_perturb(self, name: str, value, variable_type=nnx.Perturbation):
   if init is not None and init[0] is variable_type:
     if accepted:
       scope.record(full, 'perturb_init', variable_type)
-      sow(
-          init[1], name=_zeros_name(full), tag=PerturbationInit(variable_type)
-      )
+      sow(init[1], name=_zeros_name(full), tag=PerturbationInit(variable_type))
     return jax.tree.map(operator.add, init[1], value)
   if accepted:
     scope.record(full, 'perturb', variable_type)
@@ -348,17 +398,14 @@ def _method_output_wrapper(method_name: str, method):
   @functools.wraps(method)
   def wrapper(self, *args, **kwargs):
     result = method(self, *args, **kwargs)
-    for scope in reversed(LOCAL.scopes):
-      if scope.method_outputs is None:
-        continue
-      path = scope.resolve(self)
-      if path is None:
-        continue
-      if _is_array_tree(result):
-        full = (*path, method_name)
-        scope.record(full, 'method', scope.method_outputs)
-        _core_sow(result, name=full, tag=scope.method_outputs)
-      break
+    found = paths_lib.innermost_naming(
+        self, [s for s in reversed(LOCAL.scopes) if s.method_outputs]
+    )
+    if found is not None and _is_array_tree(result):
+      scope, path = found
+      full = (*path, method_name)
+      scope.record(full, 'method', scope.method_outputs)
+      _core_sow(result, name=full, tag=scope.method_outputs)
     return result
 
   wrapper._nnx_sow_method_output = True  # pylint: disable=protected-access
@@ -370,9 +417,7 @@ def _wrappable(cls, name, attr) -> bool:
     return False
   if isinstance(attr, (staticmethod, classmethod, property, type)):
     return False
-  return callable(attr) and not getattr(
-      attr, '_nnx_sow_method_output', False
-  )
+  return callable(attr) and not getattr(attr, '_nnx_sow_method_output', False)
 
 
 def _wrap_methods(classes) -> None:
@@ -596,7 +641,12 @@ def capture(
       _wrap_methods(classes)
     try:
       result, collected = functional_graph_call(
-          stage, staged, (module, init_values, *args), kwargs, scope=scope
+          stage,
+          staged,
+          (module, init_values, *args),
+          kwargs,
+          scope=scope,
+          refers_to=fn,
       )
     finally:
       if classes:
@@ -635,6 +685,7 @@ def install() -> None:
     _module_lib.Module.perturb = module_perturb
     _module_lib.capture = capture
     nnx.capture = capture
+    paths_lib.install_hooks()
 
 
 def uninstall() -> None:
@@ -647,3 +698,4 @@ def uninstall() -> None:
     _module_lib.Module.perturb = _ORIGINAL_PERTURB
     _module_lib.capture = _ORIGINAL_CAPTURE
     nnx.capture = _ORIGINAL_CAPTURE
+    paths_lib.uninstall_hooks()

@@ -14,25 +14,48 @@
 
 """Module paths from a captured root, for ``Module.sow`` inside a capture.
 
-Each active capture that runs NNX code pushes a :class:`Scope` on a
-thread-local stack (always popped in ``finally``). A scope knows the graph
-nodes of its roots by identity and resolves any module met during the call
-to its path from the root: objects of the root directly, copies made by NNX
-transforms (``nnx.jit``, ``nnx.scan``, ...) through Flax's update contexts,
-and copies made without one (tree mode, ``graph_updates=False``, a user's
-``nnx.merge``) by their graph structure. No attribute is set on any module.
+Every capture call pushes a :class:`Scope` on a thread-local stack (popped in
+``finally``). A scope maps graph nodes, by identity, to their path from a
+root. The roots are the graph nodes among the capture's arguments and those
+the captured function refers to (:func:`referenced_graph_nodes`). The copies
+that NNX code makes during the call are named without looking at Python
+frames, from four facts that are the same on every run:
+
+1. **split/merge**: while a scope is active, Flax's ``graphlib.flatten``
+   records the graphdef it returns with the object it split, and
+   ``graphlib.unflatten`` gives the object it builds from a recorded graphdef
+   (the same object, or an equal graphdef when only one object was split to
+   it) the paths of the split object, position by position. An object merged
+   from a graphdef the scope never saw split (``nnx.merge(graphdef, state)``
+   with a ``graphdef`` split before the capture) is a root at ``()``. This
+   names the functional NNX pattern, user ``nnx.merge`` calls and NNX
+   transforms with ``graph_updates=False``.
+2. **update contexts**: an NNX transform in graph mode (``nnx.jit``,
+   ``nnx.scan``, ...) maps its inner objects to the caller's.
+3. **tree-mode transforms** (``graph=False``): the arguments an NNX transform
+   receives (``extract.check_no_aliases``) and the copies its function gets
+   (``extract.snapshot``) are paired by pytree position.
+4. Last, a module whose graphdef equals that of exactly one module of the
+   roots (a copy made by a plain JAX transform of a Module pytree).
+
+A module that none of these names raises an error in ``Module.sow`` (see
+``nnx_shims.py``). No attribute is set on any module. The four Flax functions
+are wrapped once (:func:`install_hooks`, idempotent); outside a capture the
+wrappers only check that the thread has no active scope.
 """
 
 from __future__ import annotations
 
-import sys
+import functools
 import threading
+import types
 import typing as tp
 
 import jax
 from flax import nnx
 
 # Flax internals (adapt here for a new Flax release).
+from flax.nnx import extract as _extract
 from flax.nnx import graphlib as _graphlib
 
 Path = tuple[tp.Union[str, int], ...]
@@ -47,15 +70,33 @@ def is_graph_leaf(x) -> bool:
   return _graphlib.is_graph_node(x) or isinstance(x, nnx.Variable)
 
 
+def is_graph_node(x) -> bool:
+  """A Module, ``nnx.List``, ``Rngs``, optimizer...; not a Variable."""
+  return _graphlib.is_graph_node(x) and not isinstance(x, nnx.Variable)
+
 
 class _Local(threading.local):
 
   def __init__(self):
     self.scopes: list[Scope] = []
-    self.resolving = False
+    self.busy = False  # the scope itself is flattening: hooks stand aside
+    # Graph nodes an NNX transform in tree mode received, by position.
+    self.transform_args: dict | None = None
 
 
 LOCAL = _Local()
+
+
+def _graph_nodes(node) -> tp.Iterator[tuple[Path, tp.Any]]:
+  for path, obj in nnx.iter_graph(node, graph=True):
+    if is_graph_node(obj):
+      yield tuple(path), obj
+
+
+# What a scope names a module from (Scope.resolve): its roots and the copies
+# linked to them; objects merged from an unknown graphdef; a unique match of
+# structure with a root module.
+EXACT, MERGED, STRUCTURE = 'exact', 'merged', 'structure'
 
 
 class Scope:
@@ -73,24 +114,27 @@ class Scope:
     self.method_outputs = method_outputs
     self.init_keys = init_keys  # ((full name, Variable type), ...)
     self.init: dict[Path, tuple[type, tp.Any]] = {}
-    self.nodes: dict[int, tuple[tp.Any, Path]] = {}
-    self.structure: list = []
     self.records: dict[Path, tuple[str, type]] = {}
     # Growing reductions, folded when the State is built (nnx_shims.py).
     self.folds: dict[Path, tuple[tp.Callable, tp.Callable]] = {}
+    # id -> (object, path). The objects are held, so ids stay unique.
+    self.nodes: dict[int, tuple[tp.Any, Path]] = {}
+    self.merged: dict[int, tuple[tp.Any, Path]] = {}
+    self.roots: list[tuple[tp.Any, Path]] = []
+    self.structure: list[tuple[Path, type]] = []
+    self.splits: dict[int, tuple[tp.Any, tp.Any]] = {}  # graphdef, source
     self._by_graphdef: list | None = None
 
   def accepts(self, tag) -> bool:
     return self.types is None or tag in self.types
 
   def add_root(self, node, prefix: Path = ()) -> None:
-    first = not self.nodes
-    for path, obj in nnx.iter_graph(node, graph=True):
-      if _graphlib.is_graph_node(obj) and not isinstance(obj, nnx.Variable):
-        if id(obj) not in self.nodes:
-          self.nodes[id(obj)] = (obj, (*prefix, *path))
-          if first:
-            self.structure.append(((*prefix, *path), type(obj)))
+    for path, obj in _graph_nodes(node):
+      if id(obj) not in self.nodes:
+        full = (*prefix, *path)
+        self.nodes[id(obj)] = (obj, full)
+        self.roots.append((obj, full))
+        self.structure.append((full, type(obj)))
     self._by_graphdef = None
 
   def fingerprint(self):
@@ -113,74 +157,121 @@ class Scope:
           ' each its own name.'
       )
 
-  # Path resolution ---------------------------------------------------------
+  # Resolution ----------------------------------------------------------------
 
-  def resolve(self, obj) -> Path | None:
+  def resolve(self, obj, tier: str = EXACT) -> Path | None:
+    """``obj``'s path from this scope's roots, using the facts of ``tier``."""
+    if tier == EXACT:
+      return self._exact(obj)
+    if tier == MERGED:
+      hit = self.merged.get(id(obj))
+      return hit[1] if hit is not None and hit[0] is obj else None
+    return self._structural(obj)
+
+  def _exact(self, obj) -> Path | None:
     hit = self.nodes.get(id(obj))
     if hit is not None and hit[0] is obj:
       return hit[1]
     node = obj
-    for _ in range(64):
+    for _ in range(64):  # through nested NNX transforms in graph mode
       node = _outer_object(node)
       if node is None:
-        break
+        return None
       hit = self.nodes.get(id(node))
       if hit is not None and hit[0] is node:
         self._learn(obj, hit[1])
         return hit[1]
-    return self._resolve_by_structure(obj)
+    return None
 
   def _learn(self, obj, path: Path) -> None:
-    for rel, child in nnx.iter_graph(obj, graph=True):
-      if _graphlib.is_graph_node(child) and not isinstance(
-          child, nnx.Variable
+    for rel, child in _graph_nodes(obj):
+      self.nodes.setdefault(id(child), (child, (*path, *rel)))
+
+  def structural_matches(self, obj) -> list[Path]:
+    """Paths of the root modules whose graphdef equals ``obj``'s."""
+    if not isinstance(obj, nnx.Module):
+      return []
+    with _busy():
+      if self._by_graphdef is None:
+        self._by_graphdef = [
+            (nnx.graphdef(o), p)
+            for o, p in self.roots
+            if isinstance(o, nnx.Module)
+        ]
+      graphdef = nnx.graphdef(obj)
+    return sorted({p for g, p in self._by_graphdef if g == graphdef}, key=repr)
+
+  def _structural(self, obj) -> Path | None:
+    paths = self.structural_matches(obj)
+    if len(paths) != 1:
+      return None
+    self._learn(obj, paths[0])
+    return paths[0]
+
+  # Facts from Flax (the hooks below) ----------------------------------------
+
+  def note_split(self, graphdef, node) -> None:
+    self.splits[id(graphdef)] = (graphdef, node)
+
+  def note_merge(self, graphdef, node) -> None:
+    if self.nodes.get(id(node), (None,))[0] is node:
+      return  # an object the scope knows (a NodeRef, a reused object)
+    hit = self.splits.get(id(graphdef))
+    if hit is not None and hit[0] is graphdef:
+      source = hit[1]
+    else:
+      source = self._equal_split(graphdef)
+    if source is not None and self.pair(source, node):
+      return
+    for rel, child in _graph_nodes(node):
+      self.merged.setdefault(id(child), (child, rel))
+
+  def _equal_split(self, graphdef):
+    sources = {}
+    for g, source in self.splits.values():
+      if (
+          g.num_leaves == graphdef.num_leaves
+          and len(g.nodes) == len(graphdef.nodes)
+          and g == graphdef
       ):
-        self.nodes.setdefault(id(child), (child, (*path, *rel)))
+        key = self._exact(source)
+        sources[id(source) if key is None else key] = source
+    return sources.popitem()[1] if len(sources) == 1 else None
 
-  def _unique_structural_match(self, obj) -> Path | None:
-    if self._by_graphdef is None:
-      self._by_graphdef = [
-          (nnx.graphdef(o), p)
-          for o, p in list(self.nodes.values())
-          if isinstance(o, nnx.Module)
-      ]
-    graphdef = nnx.graphdef(obj)
-    paths = {p for g, p in self._by_graphdef if g == graphdef}
-    return paths.pop() if len(paths) == 1 else None
+  def pair(self, source, copy) -> bool:
+    """Gives each graph node of ``copy`` the path of ``source``'s at its place.
 
-  def _resolve_by_structure(self, obj) -> Path | None:
-    # A copy made without an update context (tree mode, graph_updates=False,
-    # nnx.merge): match its graph structure against the known modules, or
-    # find it under a module further up the Python call stack that matches.
-    if LOCAL.resolving or not isinstance(obj, nnx.Module):
-      return None
-    LOCAL.resolving = True
-    try:
-      path = self._unique_structural_match(obj)
+    Returns whether ``source`` held a node this scope knows.
+    """
+    at = dict(_graph_nodes(source))
+    found = False
+    for rel, child in _graph_nodes(copy):
+      original = at.get(rel)
+      if original is None or type(original) is not type(child):
+        continue
+      path = self._exact(original)
       if path is not None:
-        self._learn(obj, path)
-        return path
-      frame = sys._getframe(3)  # pylint: disable=protected-access
-      for _ in range(48):
-        if frame is None:
-          break
-        caller = frame.f_locals.get('self')
-        frame = frame.f_back
-        if caller is obj or not isinstance(caller, nnx.Module):
-          continue
-        base = self.nodes.get(id(caller))
-        base = base[1] if base is not None and base[0] is caller else None
-        if base is None:
-          base = self._unique_structural_match(caller)
-        if base is None:
-          continue
-        for rel, child in nnx.iter_graph(caller, graph=True):
-          if child is obj:
-            self._learn(caller, base)
-            return (*base, *rel)
-      return None
-    finally:
-      LOCAL.resolving = False
+        found = True
+        if child is not original:
+          self.nodes.setdefault(id(child), (child, path))
+    return found
+
+  def note_transform_copies(self, outer: dict, inner: dict) -> None:
+    for key, copy in inner.items():
+      original = outer.get(key)
+      if original is not None and type(original) is type(copy):
+        self.pair(original, copy)
+
+
+class _busy:
+  """While the scope flattens for itself, the hooks record nothing."""
+
+  def __enter__(self):
+    self.was = LOCAL.busy
+    LOCAL.busy = True
+
+  def __exit__(self, *exc):
+    LOCAL.busy = self.was
 
 
 def _outer_object(obj):
@@ -196,45 +287,241 @@ def _outer_object(obj):
   return None
 
 
+# ----------------------------------------------------------------------------
+# Activation
+
+
 class ActiveScope:
-  """Pushes a scope for the duration of a call, and keys jit caches on it."""
+  """Pushes a scope on this thread for the duration of a capture call."""
 
   def __init__(self, scope: Scope):
     self.scope = scope
 
   def __enter__(self):
-    scopes = LOCAL.scopes
-    scopes.append(self.scope)
-    self._key = TRACE_KEY(tuple(s.fingerprint() for s in scopes))
-    try:
-      self._key.__enter__()
-    except BaseException:
-      scopes.pop()
-      raise
+    LOCAL.scopes.append(self.scope)
+    return self.scope
 
   def __exit__(self, *exc):
-    try:
-      self._key.__exit__(*exc)
-    finally:
-      popped = LOCAL.scopes.pop()
-      assert popped is self.scope
+    popped = LOCAL.scopes.pop()
+    assert popped is self.scope
+    if not LOCAL.scopes:
+      LOCAL.transform_args = None
+
+
+class trace_key:
+  """Keys jit caches on the active scopes while the captured function runs."""
+
+  def __enter__(self):
+    self._key = TRACE_KEY(tuple(s.fingerprint() for s in LOCAL.scopes))
+    self._key.__enter__()
+
+  def __exit__(self, *exc):
+    self._key.__exit__(*exc)
+
+
+def innermost_naming(obj, *groups: list[Scope]) -> tuple[Scope, Path] | None:
+  """The first scope of ``groups`` that names ``obj``, and the path.
+
+  A scope's own facts (:data:`EXACT`, then :data:`MERGED`) go before any
+  structural match (:data:`STRUCTURE`); within each, the groups and their
+  scopes are tried in order.
+  """
+  for tiers in ((EXACT, MERGED), (STRUCTURE,)):
+    for group in groups:
+      for scope in group:
+        for tier in tiers:
+          path = scope.resolve(obj, tier)
+          if path is not None:
+            return scope, path
+  return None
 
 
 def locate(obj, tag) -> tuple[Scope, Path, bool] | None:
-  """The scope a module's sow is named in: innermost accepting, else innermost.
+  """The scope a module's sow is named in, and the module's path there.
 
-  Returns ``(scope, path, accepted)`` or ``None`` when no active capture
-  knows ``obj``.
+  The innermost scope that accepts ``tag`` and names ``obj``, else the
+  innermost other scope that does (:func:`innermost_naming`). Returns
+  ``(scope, path, accepted)``, or ``None`` when no active scope names
+  ``obj``.
   """
-  scopes = LOCAL.scopes
-  for scope in reversed(scopes):
-    if scope.accepts(tag):
-      path = scope.resolve(obj)
-      if path is not None:
-        return scope, path, True
-  for scope in reversed(scopes):
-    if not scope.accepts(tag):
-      path = scope.resolve(obj)
-      if path is not None:
-        return scope, path, False
-  return None
+  scopes = LOCAL.scopes[::-1]
+  found = innermost_naming(
+      obj,
+      [s for s in scopes if s.accepts(tag)],
+      [s for s in scopes if not s.accepts(tag)],
+  )
+  if found is None:
+    return None
+  scope, path = found
+  return scope, path, scope.accepts(tag)
+
+
+# ----------------------------------------------------------------------------
+# Roots a captured function refers to
+
+
+def referenced_graph_nodes(f) -> list[tp.Any]:
+  """Graph nodes ``f`` refers to, in a fixed order, without running it.
+
+  ``f`` itself (a Module), the ``__self__`` of a bound method, the arguments
+  of a ``functools.partial``, the contents of closure cells, and the globals
+  its code names (also in nested functions), following ``__wrapped__`` and
+  the functions found there, a few levels deep (a global function only when
+  it is defined in the same module, so library code is not searched).
+  Containers (``list``/``tuple``/``dict``) among them are searched as
+  pytrees.
+  """
+  found: list[tp.Any] = []
+  seen: set[int] = set()
+
+  def value(x, depth):
+    if id(x) in seen:
+      return
+    seen.add(id(x))
+    if is_graph_node(x):
+      found.append(x)
+    elif isinstance(x, (list, tuple, dict)):
+      for leaf in jax.tree.leaves(x, is_leaf=is_graph_leaf):
+        if is_graph_node(leaf) and id(leaf) not in seen:
+          seen.add(id(leaf))
+          found.append(leaf)
+    elif callable(x) and depth < 4:
+      function(x, depth + 1)
+
+  def function(fn, depth):
+    if isinstance(fn, functools.partial):
+      value(fn.func, depth)
+      for a in (*fn.args, *fn.keywords.values()):
+        value(a, depth)
+      return
+    if isinstance(fn, types.MethodType):
+      value(fn.__self__, depth)
+      fn = fn.__func__
+    wrapped = getattr(fn, '__wrapped__', None)
+    if wrapped is not None:
+      value(wrapped, depth)
+    if not isinstance(fn, types.FunctionType):
+      return
+    for cell in fn.__closure__ or ():
+      try:
+        contents = cell.cell_contents
+      except ValueError:  # an empty cell
+        continue
+      value(contents, depth)
+    for name in _global_names(fn.__code__):
+      x = fn.__globals__.get(name)
+      if callable(x) and not is_graph_node(x):
+        if getattr(x, '__globals__', None) is not fn.__globals__:
+          continue  # a library function, a class, a builtin
+      if x is not None:
+        value(x, depth)
+
+  value(f, 0)
+  return found
+
+
+def _global_names(code: types.CodeType) -> tp.Iterator[str]:
+  yield from code.co_names
+  for const in code.co_consts:
+    if isinstance(const, types.CodeType):
+      yield from _global_names(const)
+
+
+# ----------------------------------------------------------------------------
+# Hooks in Flax's split/merge and tree-mode transforms
+
+_ORIGINAL = {
+    'flatten': _graphlib.flatten,
+    'unflatten': _graphlib.unflatten,
+    'check_no_aliases': _extract.check_no_aliases,
+    'snapshot': _extract.snapshot,
+}
+_HOOKS_LOCK = threading.Lock()
+
+
+def _is_splittable(x) -> bool:
+  # A graph node or a container of them (nnx.split((model, optimizer))).
+  return _graphlib.is_node(x) and not isinstance(x, nnx.Variable)
+
+
+def _watching() -> bool:
+  return bool(LOCAL.scopes) and not LOCAL.busy
+
+
+@functools.wraps(_ORIGINAL['flatten'])
+def _flatten(node, /, **kwargs):
+  out = _ORIGINAL['flatten'](node, **kwargs)
+  if _watching() and _is_splittable(node):
+    for scope in LOCAL.scopes:
+      scope.note_split(out[0], node)
+  return out
+
+
+@functools.wraps(_ORIGINAL['unflatten'])
+def _unflatten(graphdef, state, /, **kwargs):
+  node = _ORIGINAL['unflatten'](graphdef, state, **kwargs)
+  if _watching() and _is_splittable(node):
+    with _busy():
+      for scope in LOCAL.scopes:
+        scope.note_merge(graphdef, node)
+  return node
+
+
+def _by_position(trees: tp.Mapping[str, tp.Any]) -> dict:
+  nodes = {}
+  for label, tree in trees.items():
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_graph_leaf)
+    for keypath, leaf in leaves[0]:
+      if is_graph_node(leaf):
+        nodes[(label, keypath)] = leaf
+  return nodes
+
+
+@functools.wraps(_ORIGINAL['check_no_aliases'])
+def _check_no_aliases(fn_name, /, *, check=(), **kwargs):
+  out = _ORIGINAL['check_no_aliases'](fn_name, check=check, **kwargs)
+  if _watching() and not check:
+    # A tree-mode transform about to run: remember what it received.
+    LOCAL.transform_args = _by_position(kwargs)
+  return out
+
+
+@functools.wraps(_ORIGINAL['snapshot'])
+def _snapshot(args):
+  out = _ORIGINAL['snapshot'](args)
+  fields = getattr(args, '_fields', None)
+  outer = LOCAL.transform_args
+  if _watching() and outer and fields is not None:
+    # Inside the transform: its function's copies of those arguments.
+    inner = _by_position(dict(zip(fields, args)))
+    with _busy():
+      for scope in LOCAL.scopes:
+        scope.note_transform_copies(outer, inner)
+  return out
+
+
+_HOOKS = {
+    (_graphlib, 'flatten'): _flatten,
+    (_graphlib, 'unflatten'): _unflatten,
+    (nnx, 'flatten'): _flatten,
+    (nnx, 'unflatten'): _unflatten,
+    (_extract, 'check_no_aliases'): _check_no_aliases,
+    (_extract, 'snapshot'): _snapshot,
+}
+
+
+def install_hooks() -> None:
+  """Wraps Flax's split/merge and tree-mode transform helpers; idempotent."""
+  if _graphlib.unflatten is _unflatten:
+    return
+  with _HOOKS_LOCK:
+    for (module, name), hook in _HOOKS.items():
+      setattr(module, name, hook)
+
+
+def uninstall_hooks() -> None:
+  """Restores Flax's functions; idempotent."""
+  with _HOOKS_LOCK:
+    for (module, name), hook in _HOOKS.items():
+      if getattr(module, name) is hook:
+        setattr(module, name, _ORIGINAL[name])

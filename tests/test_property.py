@@ -54,9 +54,11 @@ The properties:
 Environment variables:
 
 * ``SOW_HYPOTHESIS_LONG=1``: the long run, ``LONG_EXAMPLES`` examples per
-  property (over 10,000 programs in all; about an hour with
-  ``pytest -n 2``).
+  property at depth 3 (over 10,000 programs in all; several hours on two
+  cores with ``pytest -n 2``).
 * ``SOW_HYPOTHESIS_EXAMPLES=N``: N examples per property (overrides both).
+* ``SOW_HYPOTHESIS_DEPTH=N``: nesting depth of the programs (3 in the long
+  run, 2 otherwise).
 * ``SOW_HYPOTHESIS_SEED=N``: draw other programs (by default the examples
   are derandomized, so every run draws the same ones).
 * ``SOW_HYPOTHESIS_SHRINK=0|1``: whether Hypothesis shrinks a failing
@@ -84,19 +86,20 @@ from flax.nnx.sow import sow
 
 LONG_EXAMPLES = 2600
 _DEFAULT_EXAMPLES = {
-    'differential': 16,
-    'closure': 8,
-    'invariance': 12,
+    'differential': 12,
+    'closure': 12,
+    'invariance': 8,
     'invalid': 8,
 }
+
+
+_LONG = os.environ.get('SOW_HYPOTHESIS_LONG', '') not in ('', '0')
 
 
 def _examples(test):
   if 'SOW_HYPOTHESIS_EXAMPLES' in os.environ:
     return int(os.environ['SOW_HYPOTHESIS_EXAMPLES'])
-  if os.environ.get('SOW_HYPOTHESIS_LONG', '') not in ('', '0'):
-    return LONG_EXAMPLES
-  return _DEFAULT_EXAMPLES[test]
+  return LONG_EXAMPLES if _LONG else _DEFAULT_EXAMPLES[test]
 
 
 _SEED = os.environ.get('SOW_HYPOTHESIS_SEED')
@@ -123,7 +126,8 @@ def _on(feature):
   return feature not in _EXCLUDED
 
 
-MAX_DEPTH = 3
+# Nesting depth of the programs: 3 in the long run, 2 otherwise.
+MAX_DEPTH = int(os.environ.get('SOW_HYPOTHESIS_DEPTH', '3' if _LONG else '2'))
 
 # Elementwise-ish steps on the running value ``x`` (float32, shape (2,)).
 OPS = (
@@ -1019,9 +1023,8 @@ P0 = np.float32(0.6)
 
 
 def _shrink():
-  default = os.environ.get('SOW_HYPOTHESIS_LONG', '') not in ('', '0')
   flag = os.environ.get('SOW_HYPOTHESIS_SHRINK')
-  return default if flag is None else flag not in ('', '0')
+  return _LONG if flag is None else flag not in ('', '0')
 
 
 def _settings(test):
@@ -1123,7 +1126,7 @@ class PropertyTest(parameterized.TestCase):
 
   @_settings('closure')
   @hypothesis.given(
-      program=_bodies(MAX_DEPTH - 1),
+      program=_bodies(max(MAX_DEPTH - 1, 1)),
       enclosing=st.sampled_from(['jit', 'scan', 'vmap']),
       pass_x=st.booleans(),
       tags=_tags_strategy(),

@@ -334,6 +334,28 @@ class InvarianceTest(parameterized.TestCase):
         collected['p'][0], jax.grad(unrolled)(jnp.full(3, 1.0)), rtol=1e-5
     )
 
+  @parameterized.parameters(None, jax.checkpoint_policies.dots_saveable)
+  def test_custom_jvp_in_while_under_grad_of_checkpoint(self, policy):
+    @jax.custom_jvp
+    def halve(y):
+      return sow(y, name='n', reduce_fn=lambda a, b: a + 1,
+                 init_fn=lambda: jnp.int32(0)) * 0.5
+
+    halve.defjvp(lambda p, t: (halve(*p), 0.5 * t[0]))
+
+    def f(x):
+      y = jax.lax.while_loop(
+          lambda c: c[0] < 3,
+          lambda c: (c[0] + 1, halve(c[1])),
+          (0, jax.lax.stop_gradient(x)),
+      )[1]
+      return jnp.sum(x * y)
+
+    x = jnp.array([1.0, 2.0])
+    grad, collected = capture(jax.grad(jax.checkpoint(f, policy=policy)))(x)
+    np.testing.assert_allclose(grad, x / 8.0)  # y = x / 8, not differentiated
+    self.assertEqual(int(collected['n']), 3)
+
   def test_outside_capture_no_anchor_is_left(self):
     xs = jnp.arange(4.0)
     text = str(jax.make_jaxpr(jax.grad(_loss_invariant))(0.5, xs))
@@ -631,6 +653,50 @@ class NamesAndErrorsTest(absltest.TestCase):
 
     _, collected = capture(jax.grad(loss))(jnp.array([1.0, 2.0]))
     np.testing.assert_allclose(collected[('h', 1)][0], [2.0, 4.0])
+
+
+# ----------------------------------------------------------------------------
+# Custom rules that run the primal again, under nested captures.
+
+
+class NestedCustomRuleTest(absltest.TestCase):
+
+  def test_rule_sowing_another_name_is_an_error_not_a_loss(self):
+    @jax.custom_jvp
+    def h(x):
+      return sow(x * 2.0, name='a')
+
+    @h.defjvp
+    def h_jvp(primals, tangents):
+      sow(tangents[0], name='tangent_in_rule')  # not sown by the body
+      return h(*primals), 2.0 * tangents[0]
+
+    def loss(x):
+      y, inner = capture(h)(x)
+      return y, inner
+
+    with self.assertRaisesRegex(
+        NotImplementedError, "sow 'tangent_in_rule'.*custom_jvp rule"
+    ):
+      capture(jax.grad(loss, has_aux=True))(jnp.float32(1.0))
+
+  def test_custom_vjp_forward_runs_primal_again(self):
+    @jax.custom_vjp
+    def h(x):
+      return sow(x * 3.0, name='b')
+
+    h.defvjp(lambda x: (h(x), None), lambda _, ct: (3.0 * ct,))
+
+    def loss(x):
+      y, inner = capture(h)(x)
+      return y, inner
+
+    (g, inner), outer = capture(jax.grad(loss, has_aux=True))(
+        jnp.float32(2.0)
+    )
+    np.testing.assert_allclose(g, 3.0)
+    np.testing.assert_allclose(inner['b'][0], 6.0)
+    self.assertEqual(dict(outer), {})
 
 
 # ----------------------------------------------------------------------------

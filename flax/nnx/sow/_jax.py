@@ -238,3 +238,42 @@ def wrap_bind(primitive: Primitive, wrapper: tp.Callable) -> None:
 
   bind._sow_wrapped = True  # pylint: disable=protected-access
   primitive.bind = bind
+
+
+def jit_params_with_input(params: dict, jaxpr: ClosedJaxpr) -> dict:
+  """``jit`` parameters for ``jaxpr``, which takes one more (last) input."""
+  return dict(
+      params,
+      jaxpr=jaxpr,
+      in_shardings=(*params['in_shardings'], UNSPECIFIED),
+      in_layouts=(*params['in_layouts'], None),
+      donated_invars=(*params['donated_invars'], False),
+  )
+
+
+def wrap_rule(registry: dict, primitive: Primitive, wrapper: tp.Callable):
+  """``registry[primitive]`` becomes ``wrapper(original_rule, *args)``.
+
+  Idempotent.
+  """
+  original = registry[primitive]
+  if getattr(original, '_sow_wrapped', False):
+    return
+
+  def rule(*args, **kwargs):
+    return wrapper(original, *args, **kwargs)
+
+  rule._sow_wrapped = True  # pylint: disable=protected-access
+  registry[primitive] = rule
+
+
+def remat_recomputes(saveable: tp.Callable, eqn: JaxprEqn) -> bool:
+  """Whether a ``checkpoint`` policy recomputes a known ``eqn`` (JAX's
+  default for an equation with no partial-evaluation rule)."""
+  not_really = (core.NamedAxisEffect, core.InternalMutableArrayEffect)
+  if any(not isinstance(e, not_really) for e in eqn.effects):
+    return False
+  policy = pe.ensure_enum(
+      saveable(eqn.primitive, *[x.aval for x in eqn.invars], **eqn.params)
+  )
+  return isinstance(policy, pe.RecomputeType)

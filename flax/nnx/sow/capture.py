@@ -339,7 +339,7 @@ class Collector:
       # sow here (a perturb's cotangent arrives later, in the backward pass).
       self.names.setdefault(p['name'], None)
       return invals
-    invals = [x if _is_array(x) else jax.numpy.asarray(x) for x in invals]
+    invals = [x if is_array(x) else jax.numpy.asarray(x) for x in invals]
     if p['reduction'] is None:
       spec = EntrySpec(
           p['name'], p['tag'], p['treedef'], len(invals), p['kind']
@@ -760,7 +760,7 @@ def _unsupported(eqn, collector) -> NotImplementedError:
 # The transform.
 
 
-def _is_array(x) -> bool:
+def is_array(x) -> bool:
   return isinstance(x, (jax.Array, np.ndarray, jax.core.Tracer)) or (
       _jax.is_ref(x)
   )
@@ -862,17 +862,17 @@ def stage_and_collect(
 ) -> tuple[tp.Any, Collected]:
   """``capture``'s work once graph nodes are split: stage, rewrite, evaluate."""
   leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs))
-  is_array = [_is_array(x) for x in leaves]
-  arrays = [x for x, a in zip(leaves, is_array) if a]
+  traced_mask = [is_array(x) for x in leaves]
+  arrays = [x for x, a in zip(leaves, traced_mask) if a]
   out_box = []
 
   def flat_f(*traced):
     it = iter(traced)
-    full = [next(it) if a else x for x, a in zip(leaves, is_array)]
+    full = [next(it) if a else x for x, a in zip(leaves, traced_mask)]
     a, kw = jax.tree_util.tree_unflatten(in_tree, full)
     out = f(*a, **kw)
     out_leaves, out_tree = jax.tree_util.tree_flatten(out)
-    out_is_array = [_is_array(x) for x in out_leaves]
+    out_is_array = [is_array(x) for x in out_leaves]
     out_box.append((out_tree, out_leaves, out_is_array))
     return [x for x, o in zip(out_leaves, out_is_array) if o]
 

@@ -17,30 +17,34 @@
 Every capture call pushes a :class:`Scope` on a thread-local stack (popped in
 ``finally``). A scope maps graph nodes, by identity, to their path from a
 root. The roots are the graph nodes among the capture's arguments and those
-the captured function refers to (:func:`referenced_graph_nodes`). The copies
-that NNX code makes during the call are named without looking at Python
-frames, from four facts that are the same on every run:
+the captured function refers to (:func:`referenced_graph_nodes`), at path
+``()``. The copies that NNX code makes during the call are named without
+looking at Python frames, from facts that are the same on every run:
 
 1. **split/merge**: while a scope is active, Flax's ``graphlib.flatten``
    records the graphdef it returns with the object it split, and
    ``graphlib.unflatten`` gives the object it builds from a recorded graphdef
    (the same object, or an equal graphdef when only one object was split to
-   it) the paths of the split object, position by position. An object merged
-   from a graphdef the scope never saw split (``nnx.merge(graphdef, state)``
-   with a ``graphdef`` split before the capture) is a root at ``()``. This
-   names the functional NNX pattern, user ``nnx.merge`` calls and NNX
-   transforms with ``graph_updates=False``.
-2. **update contexts**: an NNX transform in graph mode (``nnx.jit``,
-   ``nnx.scan``, ...) maps its inner objects to the caller's.
+   it) the paths of the split object, position by position. This names
+   ``nnx.split``/``nnx.merge`` inside the call and NNX transforms in graph
+   mode, with or without ``graph_updates``.
+2. **update contexts**: an NNX transform in graph mode also maps its inner
+   objects to the caller's (needed where its graphdef comes from a cache).
 3. **tree-mode transforms** (``graph=False``): the arguments an NNX transform
    receives (``extract.check_no_aliases``) and the copies its function gets
    (``extract.snapshot``) are paired by pytree position.
-4. Last, a module whose graphdef equals that of exactly one module of the
-   roots (a copy made by a plain JAX transform of a Module pytree).
+4. An object merged from a graphdef the scope never saw split
+   (``nnx.merge(graphdef, state)`` with a ``graphdef`` split before the
+   capture: the functional NNX pattern) is a root at ``()``.
+5. Last, a module whose graphdef equals that of exactly one root module (a
+   copy made by a plain JAX transform of a Module pytree).
 
-A module that none of these names raises an error in ``Module.sow`` (see
-``nnx_shims.py``). No attribute is set on any module. The four Flax functions
-are wrapped once (:func:`install_hooks`, idempotent); outside a capture the
+Facts 1-3 are :data:`EXACT`, 4 :data:`MERGED`, 5 :data:`STRUCTURE`. A sow is
+named by the innermost scope that accepts it and names the module from
+facts 1-4, before any structural match (:func:`locate`). A module that no
+scope names makes ``Module.sow`` raise (``nnx_shims.py``). No attribute is
+set on any module. The four Flax functions are wrapped once
+(:func:`install_hooks`, idempotent, thread-safe); outside a capture the
 wrappers only check that the thread has no active scope.
 """
 

@@ -28,6 +28,7 @@ import typing as tp
 
 from flax.nnx.sow import _jax
 from flax.nnx.sow.capture import Collector
+from flax.nnx.sow.capture import is_array
 from flax.nnx.sow.capture import collect_rules
 from flax.nnx.sow.capture import construct_names
 from flax.nnx.sow.capture import eval_collecting
@@ -106,6 +107,53 @@ construct_names[_jax.remat_p] = '`jax.checkpoint`'
 
 
 # ----------------------------------------------------------------------------
+# custom_jvp and custom_vjp: the user's rule usually runs the primal function
+# again (``f.defjvp(lambda p, t: (f(*p), ...))``), sows included, while the
+# rewritten primal body already returns what those sows collect.
+
+
+def _without_repeated_sows(collector, layout, rule, args, what):
+  """``rule(*args)``, dropping the sows this capture took from the body.
+
+  When the rule is differentiated after the rewrite (a capture inside a
+  ``jax.grad`` that an outer capture stages), the sows it runs again would
+  reach the outer capture as well; they are the ones this capture already
+  collects from the primal body, so they are removed here. A rule that sows
+  a name the body does not would have its value lost, so that is an error.
+  """
+  args = list(args)
+  traced = [i for i, x in enumerate(args) if is_array(x)]
+
+  def call(*values):
+    full = list(args)  # non-arrays (custom_vjp's "perturbed" flags) as is
+    for i, v in zip(traced, values):
+      full[i] = v
+    return list(rule.call_wrapped(*full))
+
+  values = [args[i] for i in traced]
+  closed = _jax.trace_to_closed_jaxpr(
+      call, [_jax.typeof(x) for x in values], 'custom_rule'
+  )
+  if not collector.has_work([closed]):
+    return _jax.eval_closed(closed, values)
+  extra = [
+      s for s in collector.accepted_sites([closed])
+      if s.name not in layout.names
+  ]
+  if extra:
+    raise NotImplementedError(
+        f'sow {extra[0].name!r}{extra[0].where}: this sow runs in the {what}'
+        ' of a function whose primal body the capture has already rewritten'
+        ' (a capture inside a differentiated function), so its value cannot'
+        ' be collected. Sow it in the primal function, or put the capture'
+        ' around the differentiation (capture(jax.grad(f))).'
+    )
+  return eval_collecting(
+      closed.jaxpr, closed.consts, values, Collector(collector.accepts_key)
+  )
+
+
+# ----------------------------------------------------------------------------
 # custom_jvp: the primal body is rewritten; the JVP is the original rule for
 # the original outputs, and for the collected values their primal (evaluated
 # from the rewritten body) with zero tangents.
@@ -122,7 +170,10 @@ def _custom_jvp_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
 
   def jvp(*xs):
     primals, tangents = _split(xs, len(xs) // 2)
-    out = orig_jvp.call_wrapped(*primals[n_acc:], *tangents[n_acc:])
+    out = _without_repeated_sows(
+        collector, layout, orig_jvp, [*primals[n_acc:], *tangents[n_acc:]],
+        'custom_jvp rule',
+    )
     out_primals, out_tangents = _split(out, n_out)
     extra = _jax.eval_closed(new_jaxpr, primals)
     extra = extra[n_out:]
@@ -164,7 +215,9 @@ def _custom_vjp_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
     return _jax.eval_closed(new_jaxpr, args)
 
   def fwd(*args):
-    res_and_outs = orig_fwd.call_wrapped(*args[2 * n_acc :])
+    res_and_outs = _without_repeated_sows(
+        collector, layout, orig_fwd, args[2 * n_acc :], 'custom_vjp forward'
+    )
     primals = args[::2]
     extra = _jax.eval_closed(new_jaxpr, primals)
     return [*res_and_outs, *extra[n_out:]]

@@ -564,6 +564,12 @@ class NamesAndErrorsTest(absltest.TestCase):
     with self.assertRaisesRegex(TypeError, 'name'):
       capture(lambda x: sow(x, name=('layer', np.bool_(True))))(1.0)
 
+  def test_function_reading_a_global_registry_with_type_keys(self):
+    # capture looks for NNX modules among what f refers to; a global that is
+    # not a pytree (unorderable dict keys) must not get in the way.
+    _, collected = capture(_reads_registry)(jnp.float32(2.0))
+    np.testing.assert_allclose(collected['r'][0], 2.0 * 3)
+
   def test_capture_of_non_callable(self):
     with self.assertRaisesRegex(TypeError, 'callable'):
       capture(3)
@@ -697,6 +703,13 @@ class NestedCustomRuleTest(absltest.TestCase):
     np.testing.assert_allclose(g, 3.0)
     np.testing.assert_allclose(inner['b'][0], 6.0)
     self.assertEqual(dict(outer), {})
+
+
+_REGISTRY = {int: 3, float: 4}
+
+
+def _reads_registry(x):
+  return sow(x * _REGISTRY[int], name='r')
 
 
 # ----------------------------------------------------------------------------

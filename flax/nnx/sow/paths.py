@@ -385,7 +385,11 @@ def referenced_graph_nodes(f) -> list[tp.Any]:
     if is_graph_node(x):
       found.append(x)
     elif isinstance(x, (list, tuple, dict)):
-      for leaf in jax.tree.leaves(x, is_leaf=is_graph_leaf):
+      try:
+        leaves = jax.tree.leaves(x, is_leaf=is_graph_leaf)
+      except Exception:  # pylint: disable=broad-except
+        return  # not a pytree (e.g. a dict with unorderable keys)
+      for leaf in leaves:
         if is_graph_node(leaf) and id(leaf) not in seen:
           seen.add(id(leaf))
           found.append(leaf)

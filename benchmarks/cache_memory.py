@@ -53,14 +53,20 @@ def make(kind: str, i: int, with_sow: bool):
     return lambda x: mark(jnp.tanh(x) * i, name='h') + 1.0
   if kind == 'reduced':  # the interpreter, a fresh lambda per call
     return lambda x: mark(
-        x * i, name='r', reduce_fn=lambda a, b: a + jnp.sum(b),
+        x * i,
+        name='r',
+        reduce_fn=lambda a, b: a + jnp.sum(b),
         init_fn=lambda: 0.0,
     )
 
   def scanned(x):  # a rule with a rewritten body, under jit
     def body(c, v):
-      mark(c * v, name='s', reduce_fn=lambda a, b: a + jnp.sum(b),
-           init_fn=lambda: 0.0)
+      mark(
+          c * v,
+          name='s',
+          reduce_fn=lambda a, b: a + jnp.sum(b),
+          init_fn=lambda: 0.0,
+      )
       mark(jnp.sum(x), name='inv')
       return c + v * i, None
 

@@ -79,17 +79,29 @@ def _captured(path, g):
   if path == 'edit':
     return lambda x: sow(g(x), name='v') + 1.0
   if path == 'interpreter':
-    return lambda x: sow(
-        g(x), name='v', reduce_fn=lambda a, b: a + b,
-        init_fn=lambda: jnp.zeros(1, jnp.float32),
-    ) + 1.0
+    return (
+        lambda x: sow(
+            g(x),
+            name='v',
+            reduce_fn=lambda a, b: a + b,
+            init_fn=lambda: jnp.zeros(1, jnp.float32),
+        )
+        + 1.0
+    )
   if path == 'jit':
     return lambda x: jax.jit(lambda y: sow(g(y), name='v'))(x) + 1.0
   if path == 'reduced_jit':
-    return lambda x: jax.jit(
-        lambda y: sow(g(y), name='v', reduce_fn=lambda a, b: a + b,
-                      init_fn=lambda: jnp.zeros(1, jnp.float32))
-    )(x) + 1.0
+    return (
+        lambda x: jax.jit(
+            lambda y: sow(
+                g(y),
+                name='v',
+                reduce_fn=lambda a, b: a + b,
+                init_fn=lambda: jnp.zeros(1, jnp.float32),
+            )
+        )(x)
+        + 1.0
+    )
 
   def scanned(x):
     def body(carry, k):
@@ -126,22 +138,22 @@ def _enclose(construct, fn, c, x):
   if construct == 'nnx_jit':
     return nnx.jit(fn)(c, x)
   if construct == 'scan':
+
     def body(carry, xi):
       return carry, fn(carry, xi)
 
     return jax.lax.scan(body, c, jnp.stack([x, x + 1.0]))[1]
   if construct == 'while':
+
     def body(state):
       i, acc = state
       return i + 1, fn(c, x + acc * 0.0)
 
-    return jax.lax.while_loop(
-        lambda s: s[0] < 1, body, (0, jnp.zeros_like(x))
-    )[1]
+    return jax.lax.while_loop(lambda s: s[0] < 1, body, (0, jnp.zeros_like(x)))[
+        1
+    ]
   if construct == 'cond':
-    return jax.lax.cond(
-        c > 0.0, fn, lambda c, x: jnp.zeros_like(x), c, x
-    )
+    return jax.lax.cond(c > 0.0, fn, lambda c, x: jnp.zeros_like(x), c, x)
   if construct == 'vmap':
     return jax.vmap(fn)(jnp.stack([c, c + 1.0]), jnp.stack([x, x * 2.0]))
   if construct == 'grad':
@@ -163,7 +175,14 @@ def _enclose(construct, fn, c, x):
 
 
 CONSTRUCTS = (
-    'jit', 'nnx_jit', 'scan', 'while', 'cond', 'vmap', 'grad', 'custom_vjp'
+    'jit',
+    'nnx_jit',
+    'scan',
+    'while',
+    'cond',
+    'vmap',
+    'grad',
+    'custom_vjp',
 )
 PATHS = ('edit', 'interpreter', 'jit', 'reduced_jit', 'scan')
 CLOSURES = ('tracer', 'array', 'module')
@@ -171,9 +190,7 @@ CLOSURES = ('tracer', 'array', 'module')
 
 class ClosureMatrixTest(parameterized.TestCase):
 
-  @parameterized.parameters(
-      *itertools.product(CONSTRUCTS, PATHS, CLOSURES)
-  )
+  @parameterized.parameters(*itertools.product(CONSTRUCTS, PATHS, CLOSURES))
   def test_closure(self, construct, path, closure):
     model = _linear() if closure == 'module' else None
     c = jnp.float32(1.5)
@@ -241,10 +258,9 @@ def _sgd():
 
 def _loss_invariant(w, xs):
   def body(c, x):
-    sow(jnp.sum(w ** 2), name='wn')  # does not depend on the carry
+    sow(jnp.sum(w**2), name='wn')  # does not depend on the carry
     sow(jnp.float32(7.0), name='const')  # a constant
-    sow(w * 2.0, name='red', reduce_fn=lambda a, b: a + b,
-        init_fn=lambda: 0.0)
+    sow(w * 2.0, name='red', reduce_fn=lambda a, b: a + b, init_fn=lambda: 0.0)
     return c * jnp.tanh(w * x), None
 
   return jnp.sum(jax.lax.scan(body, jnp.ones(3), xs)[0])
@@ -252,7 +268,7 @@ def _loss_invariant(w, xs):
 
 def _loss_fori(w, xs):
   def body(i, c):
-    sow(jnp.sum(w ** 2) + 0.0 * i, name='wn')
+    sow(jnp.sum(w**2) + 0.0 * i, name='wn')
     return c * jnp.tanh(w * xs[i])
 
   return jnp.sum(jax.lax.fori_loop(0, xs.shape[0], body, jnp.ones(3)))
@@ -273,9 +289,7 @@ def _transforms(loss, xs):
               policy=jax.checkpoint_policies.dots_saveable,
           )
       ),
-      'jit_value_and_grad': jax.jit(
-          jax.value_and_grad(lambda w: loss(w, xs))
-      ),
+      'jit_value_and_grad': jax.jit(jax.value_and_grad(lambda w: loss(w, xs))),
   }
 
 
@@ -292,8 +306,9 @@ class InvarianceTest(parameterized.TestCase):
     self.assertLen(collected['wn'], 1)
     np.testing.assert_allclose(collected['red'], 4 * 1.0)
 
-  @parameterized.parameters('plain', 'grad', 'value_and_grad', 'linearize',
-                            'checkpoint')
+  @parameterized.parameters(
+      'plain', 'grad', 'value_and_grad', 'linearize', 'checkpoint'
+  )
   def test_loop_invariant_sows_fori_loop(self, transform):
     xs = jnp.arange(5.0)
     _, collected = capture(_transforms(_loss_fori, xs)[transform])(
@@ -338,8 +353,15 @@ class InvarianceTest(parameterized.TestCase):
   def test_custom_jvp_in_while_under_grad_of_checkpoint(self, policy):
     @jax.custom_jvp
     def halve(y):
-      return sow(y, name='n', reduce_fn=lambda a, b: a + 1,
-                 init_fn=lambda: jnp.int32(0)) * 0.5
+      return (
+          sow(
+              y,
+              name='n',
+              reduce_fn=lambda a, b: a + 1,
+              init_fn=lambda: jnp.int32(0),
+          )
+          * 0.5
+      )
 
     halve.defjvp(lambda p, t: (halve(*p), 0.5 * t[0]))
 
@@ -383,7 +405,7 @@ class InvarianceTest(parameterized.TestCase):
           out_axes=(nnx.Carry, 0),
       )
       h, ys = scan(cell, jnp.zeros(2), xs)
-      return jnp.sum(ys ** 2)
+      return jnp.sum(ys**2)
 
     (loss, grads), state = nnx.capture(
         nnx.value_and_grad(loss_fn), nnx.Intermediate
@@ -396,7 +418,7 @@ class InvarianceTest(parameterized.TestCase):
       h, total = jnp.zeros(2), 0.0
       for x in xs:
         h = jnp.tanh(h @ kernel + bias + x)
-        total = total + jnp.sum(h ** 2)
+        total = total + jnp.sum(h**2)
       return total
 
     kernel, bias = cell.w.kernel.get_value(), cell.w.bias.get_value()
@@ -416,8 +438,12 @@ class PerSiteReductionTest(parameterized.TestCase):
   def test_inline_lambdas_in_python_loop(self):
     def f(x):
       for _ in range(3):
-        x = sow(jnp.tanh(x), name='n',
-                reduce_fn=lambda a, b: a + jnp.sum(b), init_fn=lambda: 0.0)
+        x = sow(
+            jnp.tanh(x),
+            name='n',
+            reduce_fn=lambda a, b: a + jnp.sum(b),
+            init_fn=lambda: 0.0,
+        )
       return x
 
     _, collected = capture(f)(jnp.ones(3))
@@ -429,8 +455,12 @@ class PerSiteReductionTest(parameterized.TestCase):
   def test_lambda_closing_over_loop_variable(self):
     def f(x):
       for i in range(1, 4):
-        sow(x, name='w', reduce_fn=lambda a, b, i=i: a + i * b,
-            init_fn=lambda: jnp.zeros(()))
+        sow(
+            x,
+            name='w',
+            reduce_fn=lambda a, b, i=i: a + i * b,
+            init_fn=lambda: jnp.zeros(()),
+        )
       return x
 
     _, collected = capture(f)(jnp.float32(2.0))
@@ -448,8 +478,12 @@ class PerSiteReductionTest(parameterized.TestCase):
 
   def test_real_type_change_still_raises(self):
     def f(x):
-      return sow(x, name='bad', reduce_fn=lambda a, b: a + b,
-                 init_fn=lambda: jnp.int32(0))
+      return sow(
+          x,
+          name='bad',
+          reduce_fn=lambda a, b: a + b,
+          init_fn=lambda: jnp.int32(0),
+      )
 
     with self.assertRaisesRegex(ValueError, "sow 'bad'.*accumulator"):
       capture(f)(jnp.float32(1.0))
@@ -463,25 +497,38 @@ class PerSiteReductionTest(parameterized.TestCase):
       jax.lax.scan(body, 0.0, xs)
 
       def wbody(s):
-        i, = s
-        sow(xs[i], name='r', reduce_fn=lambda a, b: a + 10 * b,
-            init_fn=lambda: 0.0)
+        (i,) = s
+        sow(
+            xs[i],
+            name='r',
+            reduce_fn=lambda a, b: a + 10 * b,
+            init_fn=lambda: 0.0,
+        )
         return (i + 1,)
 
       jax.lax.while_loop(lambda s: s[0] < 2, wbody, (0,))
       jax.lax.cond(
           xs[0] > 0,
-          lambda: sow(xs[1], name='r', reduce_fn=lambda a, b: a + 100 * b,
-                      init_fn=lambda: 0.0),
+          lambda: sow(
+              xs[1],
+              name='r',
+              reduce_fn=lambda a, b: a + 100 * b,
+              init_fn=lambda: 0.0,
+          ),
           lambda: xs[1],
       )
       jax.vmap(
-          lambda v: sow(v, name='r', reduce_fn=lambda a, b: a + 1000 * b,
-                        init_fn=lambda: 0.0)
+          lambda v: sow(
+              v,
+              name='r',
+              reduce_fn=lambda a, b: a + 1000 * b,
+              init_fn=lambda: 0.0,
+          )
       )(xs)
       jax.jit(
-          lambda v: sow(v, name='r', reduce_fn=lambda a, b: a - b,
-                        init_fn=lambda: 0.0)
+          lambda v: sow(
+              v, name='r', reduce_fn=lambda a, b: a - b, init_fn=lambda: 0.0
+          )
       )(xs[2])
       return xs
 
@@ -495,9 +542,13 @@ class PerSiteReductionTest(parameterized.TestCase):
 
       def __call__(self, x):
         for i in range(1, 4):
-          self.sow(nnx.Intermediate, 'acc', x,
-                   reduce_fn=lambda a, b, i=i: a + i * b,
-                   init_fn=lambda: 0)
+          self.sow(
+              nnx.Intermediate,
+              'acc',
+              x,
+              reduce_fn=lambda a, b, i=i: a + i * b,
+              init_fn=lambda: 0,
+          )
         return x
 
     m = M()
@@ -527,8 +578,10 @@ class BranchOnlyTest(absltest.TestCase):
   def test_not_collected_tag_is_fine_under_vmap(self):
     def f(p, x):
       return jax.lax.cond(
-          p, lambda x: sow(x, name='only', tag='other') * 2.0,
-          lambda x: x * 3.0, x,
+          p,
+          lambda x: sow(x, name='only', tag='other') * 2.0,
+          lambda x: x * 3.0,
+          x,
       )
 
     out, collected = capture(jax.vmap(f), tags=('mine',))(
@@ -553,9 +606,9 @@ def _line_of(marker: str) -> int:
 class NamesAndErrorsTest(absltest.TestCase):
 
   def test_numpy_integer_name_part(self):
-    _, collected = capture(
-        lambda x: sow(x, name=('layer', np.int64(2))) * 1.0
-    )(jnp.float32(1.0))
+    _, collected = capture(lambda x: sow(x, name=('layer', np.int64(2))) * 1.0)(
+        jnp.float32(1.0)
+    )
     (key,) = collected
     self.assertEqual(key, ('layer', 2))
     self.assertIs(type(key[1]), int)
@@ -602,8 +655,12 @@ class NamesAndErrorsTest(absltest.TestCase):
 
   def test_accumulator_change_names_file_and_line(self):
     def f(x):
-      return sow(x, name='acc', reduce_fn=lambda a, b: a + b,  # LINE-ACC
-                 init_fn=lambda: jnp.zeros((3,), jnp.int32))
+      return sow(  # LINE-ACC
+          x,
+          name='acc',
+          reduce_fn=lambda a, b: a + b,
+          init_fn=lambda: jnp.zeros((3,), jnp.int32),
+      )
 
     line = _line_of('# LINE-ACC')
     with self.assertRaisesRegex(
@@ -617,7 +674,9 @@ class NamesAndErrorsTest(absltest.TestCase):
     def f(x):
       return jax.shard_map(
           lambda v: sow(v, name='sharded'),  # LINE-SHARD
-          mesh=mesh, in_specs=jax.P(), out_specs=jax.P(),
+          mesh=mesh,
+          in_specs=jax.P(),
+          out_specs=jax.P(),
       )(x)
 
     line = _line_of('# LINE-SHARD')
@@ -697,9 +756,7 @@ class NestedCustomRuleTest(absltest.TestCase):
       y, inner = capture(h)(x)
       return y, inner
 
-    (g, inner), outer = capture(jax.grad(loss, has_aux=True))(
-        jnp.float32(2.0)
-    )
+    (g, inner), outer = capture(jax.grad(loss, has_aux=True))(jnp.float32(2.0))
     np.testing.assert_allclose(g, 3.0)
     np.testing.assert_allclose(inner['b'][0], 6.0)
     self.assertEqual(dict(outer), {})
@@ -739,12 +796,20 @@ class FreedAfterCallTest(absltest.TestCase):
 
       def f(x):
         def body(c, v):
-          sow(c * big, name='s', reduce_fn=lambda a, b: a + jnp.sum(b),
-              init_fn=lambda: 0.0)
+          sow(
+              c * big,
+              name='s',
+              reduce_fn=lambda a, b: a + jnp.sum(b),
+              init_fn=lambda: 0.0,
+          )
           # A reduce_fn that closes over an array (the array must not be
           # kept alive by any cache once the call is over).
-          sow(c, name='w', reduce_fn=lambda a, b: a + jnp.sum(b * weights),
-              init_fn=lambda: 0)
+          sow(
+              c,
+              name='w',
+              reduce_fn=lambda a, b: a + jnp.sum(b * weights),
+              init_fn=lambda: 0,
+          )
           return c + v, None
 
         c, _ = jax.lax.scan(body, x, jnp.ones((2, 3)))
@@ -760,7 +825,6 @@ class FreedAfterCallTest(absltest.TestCase):
     refs = run()
     gc.collect()
     self.assertEqual([r() for r in refs], [None] * 4)
-
 
 
 class ReduceClosureFreedTest(parameterized.TestCase):

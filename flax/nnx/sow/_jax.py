@@ -221,7 +221,6 @@ def edit_jaxpr(
   )
 
 
-
 def wrap_bind(primitive: Primitive, wrapper: tp.Callable) -> None:
   """Routes ``primitive.bind(*args, **params)`` through ``wrapper``.
 

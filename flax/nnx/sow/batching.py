@@ -60,7 +60,9 @@ def _sow_again(layout: Layout, values, dims, axis_size) -> None:
   for spec in layout.entries:
     leaves = [
         mapped_axis_first(x, d, axis_size)
-        for x, d in zip(values[pos : pos + spec.size], dims[pos : pos + spec.size])
+        for x, d in zip(
+            values[pos : pos + spec.size], dims[pos : pos + spec.size]
+        )
     ]
     pos += spec.size
     bind_sow(
@@ -100,7 +102,9 @@ def _scan_batcher(jax_rule, axis_data, args, dims, **params):
   # The hoisted sows come after the scan; markers before it keep every name
   # the body sows in its order of first sow.
   _mark_order(sow_sites(body.jaxpr))
-  outs, out_dims = jax_rule(axis_data, args, dims, **dict(params, jaxpr=new_body))
+  outs, out_dims = jax_rule(
+      axis_data, args, dims, **dict(params, jaxpr=new_body)
+  )
   n = len(outs) - layout.num_extra
   _sow_again(layout, outs[n:], out_dims[n:], axis_data.size)
   return outs[:n], out_dims[:n]
@@ -109,7 +113,9 @@ def _scan_batcher(jax_rule, axis_data, args, dims, **params):
 def _cond_batcher(jax_rule, axis_data, args, dims, *, branches, **params):
   if dims[0] is not None and staging_active():
     reduced = [
-        s for b in branches for s in sow_sites(b.jaxpr)
+        s
+        for b in branches
+        for s in sow_sites(b.jaxpr)
         if s.reduction is not None
     ]
     if reduced:

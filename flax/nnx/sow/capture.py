@@ -258,8 +258,9 @@ class Collector:
 
   # -- recording ----------------------------------------------------------
 
-  def add_entry(self, spec: EntrySpec, leaves: tp.Sequence[tp.Any],
-                where_: str = ''):
+  def add_entry(
+      self, spec: EntrySpec, leaves: tp.Sequence[tp.Any], where_: str = ''
+  ):
     if spec.name in self.accumulators:
       raise _reduction_error(spec.name, where_)
     self.names.setdefault(spec.name, None)
@@ -287,7 +288,12 @@ class Collector:
     return acc
 
   def reduce(
-      self, name: Name, reduction: Reduction, treedef, leaves, batch_dims=0,
+      self,
+      name: Name,
+      reduction: Reduction,
+      treedef,
+      leaves,
+      batch_dims=0,
       where_: str = '',
   ):
     """Folds one sown value (or, with ``batch_dims``, a batch) into ``name``."""
@@ -295,9 +301,7 @@ class Collector:
         _jax.ShapedArray(_jax.typeof(x).shape[batch_dims:], x.dtype)
         for x in leaves
     ]
-    acc = self.accumulator(
-        name, reduction, (treedef, value_avals), where_
-    )
+    acc = self.accumulator(name, reduction, (treedef, value_avals), where_)
     self.names.setdefault(name, None)
 
     def step(acc_leaves, value_leaves):
@@ -330,9 +334,7 @@ class Collector:
 
   def on_sow(self, eqn: _jax.JaxprEqn, invals: list[tp.Any]) -> list[tp.Any]:
     p = eqn.params
-    if p['remat_copy'] or not self.accepts(
-        p['tag'], p['reduction'], p['kind']
-    ):
+    if p['remat_copy'] or not self.accepts(p['tag'], p['reduction'], p['kind']):
       return _jax.bind_equation(eqn, invals)
     if p['kind'] in MARKER_KINDS:
       # Collects nothing; the name takes its place in the order of first
@@ -347,7 +349,11 @@ class Collector:
       self.add_entry(spec, invals, where(eqn))
     else:
       self.reduce(
-          p['name'], p['reduction'], p['treedef'], invals, p['batch_dims'],
+          p['name'],
+          p['reduction'],
+          p['treedef'],
+          invals,
+          p['batch_dims'],
           where(eqn),
       )
     return invals
@@ -512,7 +518,7 @@ def initial_accumulator(reduction: Reduction, value) -> Accumulator:
   leaves = [jax.numpy.asarray(x) for x in leaves]
   if any(x.weak_type for x in leaves):
     value_treedef, value_avals = value
-    target_leaves, target_treedef = _abstract_fold(
+    target_leaves, target_treedef = abstract_fold(
         reduction.reduce_fn, treedef, leaves, value_treedef, value_avals
     )
     if target_treedef == treedef:
@@ -525,7 +531,7 @@ def initial_accumulator(reduction: Reduction, value) -> Accumulator:
   return Accumulator(treedef, tuple(strong(x) for x in leaves))
 
 
-def _abstract_fold(reduce_fn, acc_treedef, acc_leaves, treedef, avals):
+def abstract_fold(reduce_fn, acc_treedef, acc_leaves, treedef, avals):
   """The avals and structure of ``reduce_fn(acc, value)``, without running it.
 
   Traced into a throw-away jaxpr rather than with ``jax.eval_shape``, whose
@@ -642,8 +648,9 @@ def edit_plain_sows(
         for s in sow_sites(sub)
     ):
       return None
-    if subst and any(isinstance(v, _jax.Var) and v in subst
-                     for v in eqn.invars):
+    if subst and any(
+        isinstance(v, _jax.Var) and v in subst for v in eqn.invars
+    ):
       eqn = eqn.replace(
           invars=[
               subst.get(v, v) if isinstance(v, _jax.Var) else v
@@ -667,7 +674,8 @@ def rewrite_jaxpr(
 ) -> tuple[_jax.ClosedJaxpr, Layout]:
   """See :meth:`Collector.rewrite`."""
   return cached(
-      jaxpr, ('rewrite', accepts_key, specs),
+      jaxpr,
+      ('rewrite', accepts_key, specs),
       lambda: _rewrite_jaxpr(jaxpr, accepts_key, specs),
   )
 

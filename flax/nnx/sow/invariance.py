@@ -135,9 +135,7 @@ def _anchored(jaxpr: _jax.Jaxpr, varying: set) -> _jax.Jaxpr | None:
       else:
         eqn = eqn.replace(invars=anchored)
       changed = True
-    elif any(
-        _holds_staged_sow(j) for j in _jax.jaxprs_in_params(eqn.params)
-    ):
+    elif any(_holds_staged_sow(j) for j in _jax.jaxprs_in_params(eqn.params)):
       if eqn.primitive is _jax.jit_p:
         eqn = _anchored_jit(eqn, index)
         changed = True
@@ -160,8 +158,13 @@ def _anchor_operands(eqns, eqn, index):
   anchored = [_jax.Var(v.aval) for v in eqn.invars]
   eqns.append(
       _jax.new_jaxpr_eqn(
-          [*eqn.invars, index], anchored, anchor_p, {}, set(),
-          eqn.source_info, eqn.ctx,
+          [*eqn.invars, index],
+          anchored,
+          anchor_p,
+          {},
+          set(),
+          eqn.source_info,
+          eqn.ctx,
       )
   )
   return anchored
@@ -238,9 +241,7 @@ def _remat_copy_eqn(eqn: _jax.JaxprEqn) -> _jax.JaxprEqn:
   """``eqn`` with every staged sow in it (or under it) a remat copy."""
   if eqn.primitive is sow_p:
     if eqn.params['effect'] and not eqn.params['remat_copy']:
-      eqn = eqn.replace(
-          params=dict(eqn.params, remat_copy=True), effects=set()
-      )
+      eqn = eqn.replace(params=dict(eqn.params, remat_copy=True), effects=set())
   elif any(True for _ in _jax.jaxprs_in_params(eqn.params)):
     params = {k: _map_jaxprs(v) for k, v in eqn.params.items()}
     effects = {e for e in eqn.effects if e is not sow_effect}
@@ -264,15 +265,20 @@ def _map_jaxprs(value):
 
 def _while_partial_eval_custom(jax_rule, saveable, unks_in, inst_in, eqn):
   known, staged, *rest = jax_rule(saveable, unks_in, inst_in, eqn)
-  if known is not None and staged is not None and any(
-      _holds_staged_sow(j) for j in _jax.jaxprs_in_params(staged.params)
+  if (
+      known is not None
+      and staged is not None
+      and any(
+          _holds_staged_sow(j) for j in _jax.jaxprs_in_params(staged.params)
+      )
   ):
     staged = _remat_copy_eqn(staged)
   return (known, staged, *rest)
 
 
 _jax.wrap_rule(
-    _jax.partial_eval_jaxpr_custom_rules, _jax.while_p,
+    _jax.partial_eval_jaxpr_custom_rules,
+    _jax.while_p,
     _while_partial_eval_custom,
 )
 
@@ -292,7 +298,8 @@ _jax.wrap_rule(
 def _custom_call_partial_eval_custom(saveable, unks_in, inst_in, eqn):
   n = len(eqn.outvars)
   res = [
-      v for v, inst in zip(eqn.invars, inst_in)
+      v
+      for v, inst in zip(eqn.invars, inst_in)
       if isinstance(v, _jax.Var) and not inst
   ]
   if any(unks_in):

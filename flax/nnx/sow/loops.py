@@ -32,7 +32,6 @@ import collections
 import dataclasses
 import typing as tp
 
-import jax
 import numpy as np
 
 from flax.nnx.sow import _jax
@@ -301,7 +300,8 @@ def align_branches(
     for name in {**count0, **count}:
       if count[name] != count0[name]:
         raise _branch_mismatch(
-            name, i,
+            name,
+            i,
             f'sows it {count[name]} time(s) but branch 0 sows it'
             f' {count0[name]} time(s)',
             sources,
@@ -312,7 +312,8 @@ def align_branches(
       ai = _strong_avals(rewritten[i][0].out_avals[pi : pi + si.size])
       if s0.treedef != si.treedef or a0 != ai:
         raise _branch_mismatch(
-            key[0], i,
+            key[0],
+            i,
             f'sows {si.treedef} of {[a.str_short() for a in ai]} but branch'
             f' 0 sows {s0.treedef} of {[a.str_short() for a in a0]}',
             sources,
@@ -390,9 +391,7 @@ def _branches_hoisted(branches):
       in_avals = [*avals, *open_branch.in_avals[hi - lo :]]
       return _jax.trace_to_closed_jaxpr(fn, in_avals, 'cond_capture_consts')
 
-    new.append(
-        cached(open_branch, ('cond_consts', tuple(avals), lo), build)
-    )
+    new.append(cached(open_branch, ('cond_consts', tuple(avals), lo), build))
   return tuple(new), [c for _, consts in parts for c in consts]
 
 

@@ -55,6 +55,7 @@ from flax.nnx import module as _module_lib
 from flax.nnx import variablelib as _variablelib
 
 from flax.nnx.sow import state as state_lib
+from flax.nnx.sow.capture import abstract_fold
 from flax.nnx.sow.capture import stage_and_collect
 from flax.nnx.sow.graph import functional_graph_call
 from flax.nnx.sow import paths as paths_lib
@@ -98,72 +99,28 @@ def _zeros_name(full: Path) -> Path:
 
 
 # --------------------------------------------------------------------------
-# Reductions: every site of a reduced name must use the same functions.
+# Reductions: Flax lets an accumulator grow (a tuple of values); the capture
+# carries accumulators of fixed type. Each site folds with its own reduce_fn.
 # --------------------------------------------------------------------------
 
-_REDUCTIONS: dict[tp.Any, tuple[tp.Callable, tp.Callable]] = {}
-_REDUCTIONS_LOCK = threading.Lock()
 
+def _grows(reduce_fn, init_fn, value) -> bool:
+  """Whether ``reduce_fn(init_fn(), value)`` changes the pytree structure.
 
-def _function_key(fn):
-  # Two lambdas written at one place (a new object per call of the method
-  # that sows) are the same reduction.
-  code = getattr(fn, '__code__', None)
-  if code is not None and not getattr(fn, '__closure__', None):
-    return ('code', code, getattr(fn, '__defaults__', None))
-  return ('object', fn)
-
-
-def _avals(tree):
-  return jax.tree.map(lambda a: (tuple(a.shape), np.dtype(a.dtype)), tree)
-
-
-def _reduction(reduce_fn, init_fn, value):
-  """Canonical ``(reduce_fn, init_fn)`` for a Flax-style reduced sow.
-
-  Flax lets ``init_fn`` return a Python scalar that ``reduce_fn`` broadcasts
-  on the first call (``init_fn=lambda: 0`` with ``reduce_fn=operator.add``);
-  the capture needs an accumulator of fixed shape and dtype, so the returned
-  ``init_fn`` broadcasts the initial value to the accumulator's shape and
-  dtype when their pytree structures agree. Returns ``None`` when they do
-  not: the accumulator grows (``reduce_fn=lambda c, v: (*c, v)``), which no
-  fixed-type accumulator can hold.
+  Such an accumulator (``reduce_fn=lambda c, v: (*c, v)``) cannot be carried
+  through a loop with a fixed type; the shim collects every value instead
+  and folds ``reduce_fn`` when it builds the State, as Flax does.
   """
   init = init_fn()
-  target = jax.eval_shape(reduce_fn, init, value)
+  leaves, treedef = jax.tree.flatten(init)
   try:
-    init_avals = _avals(jax.eval_shape(lambda: init))
+    leaves = [jnp.asarray(x) for x in leaves]
+    value_leaves, value_treedef = jax.tree.flatten(value)
+    avals = [jax.typeof(jnp.asarray(x)) for x in value_leaves]
   except TypeError:
-    init_avals = None
-  key = (
-      _function_key(reduce_fn),
-      _function_key(init_fn),
-      str(jax.tree.structure(target)),
-      str(_avals(target)),
-  )
-  with _REDUCTIONS_LOCK:
-    if key in _REDUCTIONS:
-      return _REDUCTIONS[key]
-    same_tree = jax.tree.structure(init) == jax.tree.structure(target)
-    if not same_tree:
-      _REDUCTIONS[key] = None
-      return None
-    if init_avals != _avals(target):
-
-      def canonical_init(init_fn=init_fn, target=target):
-        return jax.tree.map(
-            lambda a, t: jnp.broadcast_to(jnp.asarray(a, t.dtype), t.shape),
-            init_fn(),
-            target,
-        )
-
-    else:
-      canonical_init = init_fn
-    found = (reduce_fn, canonical_init)
-    if len(_REDUCTIONS) > 4096:
-      _REDUCTIONS.clear()
-    _REDUCTIONS[key] = found
-    return found
+    return True
+  _, target = abstract_fold(reduce_fn, treedef, leaves, value_treedef, avals)
+  return target != treedef
 
 
 def _is_array_tree(value) -> bool:
@@ -327,7 +284,7 @@ def module_sow(
   sow = _core_sow
   if reduce_fn is _TUPLE_REDUCE and init_fn is _TUPLE_INIT:
     sow(value, name=full, tag=variable_type)
-  elif (reduction := _reduction(reduce_fn, init_fn, value)) is None:
+  elif _grows(reduce_fn, init_fn, value):
     # A growing accumulator: collect every value, and fold reduce_fn over
     # them from init_fn() when the State is built (as Flax reduces them).
     scope.folds[full] = (reduce_fn, init_fn)
@@ -337,8 +294,8 @@ def module_sow(
         value,
         name=full,
         tag=variable_type,
-        reduce_fn=reduction[0],
-        init_fn=reduction[1],
+        reduce_fn=reduce_fn,
+        init_fn=init_fn,
     )
   return accepted
 

@@ -30,8 +30,9 @@ import typing as tp
 from flax.nnx.sow import primitive
 
 
-def perturb(value: tp.Any, *, name: primitive.Name,
-            tag: tp.Hashable = None) -> tp.Any:
+def perturb(
+    value: tp.Any, *, name: primitive.Name, tag: tp.Hashable = None
+) -> tp.Any:
   """Marks ``value`` so that a capture collects the cotangent arriving at it.
 
   Identity in the forward pass and under every transform. When the function

@@ -168,13 +168,13 @@ def _sow_jvp(primals, tangents, **params):
   # ``jax.grad`` collects primals). A ``perturb`` marker routes its tangent
   # through ``perturb_tangent_p``, whose transpose sows the cotangent.
   out = sow_p.bind(*primals, **params)
-  if params['kind'] != 'perturb' or all(
-      type(t) is _jax.Zero for t in tangents
-  ):
+  if params['kind'] != 'perturb' or all(type(t) is _jax.Zero for t in tangents):
     return out, list(tangents)
   tangents = [_jax.instantiate_zeros(t) for t in tangents]
   return out, perturb_tangent_p.bind(
-      *tangents, name=params['name'], tag=params['tag'],
+      *tangents,
+      name=params['name'],
+      tag=params['tag'],
       treedef=params['treedef'],
   )
 
@@ -195,7 +195,9 @@ _jax.primitive_transposes[sow_p] = _sow_transpose
 def _sow_batch(axis_data, leaves, dims, **params):
   # The sown value gets the mapped axis first, like vmap's outputs; the
   # results keep the operands' own axes, so the sow stays an identity.
-  moved = [mapped_axis_first(x, d, axis_data.size) for x, d in zip(leaves, dims)]
+  moved = [
+      mapped_axis_first(x, d, axis_data.size) for x, d in zip(leaves, dims)
+  ]
   params = dict(params, batch_dims=params['batch_dims'] + 1)
   outs = sow_p.bind(*moved, **params)
   outs = [o if d is not None else x for o, x, d in zip(outs, leaves, dims)]
@@ -231,10 +233,7 @@ def _perturb_tangent_jvp(primals, tangents, **params):
 
 def _perturb_tangent_transpose(cts, *args, name, tag, treedef):
   cts = [
-      _jax.instantiate_zeros(ct)
-      if type(ct) is _jax.Zero
-      else ct
-      for ct in cts
+      _jax.instantiate_zeros(ct) if type(ct) is _jax.Zero else ct for ct in cts
   ]
   del args
   return bind_sow(cts, name=name, tag=tag, treedef=treedef, kind='cotangent')
@@ -421,6 +420,7 @@ def sow(
   if is_eager():
     return value
   reduction = None if reduce_fn is None else Reduction(reduce_fn, init_fn)
-  out = bind_sow(leaves, name=name, tag=tag, treedef=treedef,
-                 reduction=reduction)
+  out = bind_sow(
+      leaves, name=name, tag=tag, treedef=treedef, reduction=reduction
+  )
   return jax.tree_util.tree_unflatten(treedef, out)

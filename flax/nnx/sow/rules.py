@@ -24,7 +24,6 @@ values as trailing outputs (see ``capture.Layout``). Loops and branches are in
 
 from __future__ import annotations
 
-import typing as tp
 
 from flax.nnx.sow import _jax
 from flax.nnx.sow.capture import Collector
@@ -137,7 +136,8 @@ def _without_repeated_sows(collector, layout, rule, args, what):
   if not collector.has_work([closed]):
     return _jax.eval_closed(closed, values)
   extra = [
-      s for s in collector.accepted_sites([closed])
+      s
+      for s in collector.accepted_sites([closed])
       if s.name not in layout.names
   ]
   if extra:
@@ -171,7 +171,10 @@ def _custom_jvp_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
   def jvp(*xs):
     primals, tangents = _split(xs, len(xs) // 2)
     out = _without_repeated_sows(
-        collector, layout, orig_jvp, [*primals[n_acc:], *tangents[n_acc:]],
+        collector,
+        layout,
+        orig_jvp,
+        [*primals[n_acc:], *tangents[n_acc:]],
         'custom_jvp rule',
     )
     out_primals, out_tangents = _split(out, n_out)

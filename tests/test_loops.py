@@ -39,8 +39,8 @@ XS = np.array(
 )  # (4, 2)
 
 
-class VmapReducedErrorTest(absltest.TestCase):
-  """Reductions that vmap inside a capture cannot keep per example."""
+class VmapReducedTest(absltest.TestCase):
+  """Reductions under a vmap inside the capture: per example, or an error."""
 
   def test_reduced_sow_in_cond_on_batched_predicate(self):
     def f(x):
@@ -50,11 +50,27 @@ class VmapReducedErrorTest(absltest.TestCase):
 
       return jax.lax.cond(x > 0, pos, lambda x: x, x)
 
-    with self.assertRaisesRegex(NotImplementedError, r"sow 'n'.*vmap"):
-      capture(jax.vmap(f))(jnp.array([1.0, -1.0, 2.0]))
-    # Around the capture it is exact: one count per example taking `pos`.
+    # Inside: one count per example that takes `pos`, reduced over the batch.
+    _, collected = capture(jax.vmap(f))(jnp.array([1.0, -1.0, 2.0]))
+    np.testing.assert_array_equal(collected['n'], 2)
+    # Around the capture: one accumulator per example.
     _, collected = jax.vmap(capture(f))(jnp.array([1.0, -1.0, 2.0]))
     np.testing.assert_array_equal(collected['n'], [1, 0, 1])
+
+  def test_reduced_sow_nested_in_batched_cond_branch(self):
+    def f(x):
+      def pos(x):
+        jax.jit(
+            lambda: sow(
+                jnp.int32(1), name='n', reduce_fn=_add, init_fn=_zero_int
+            )
+        )()
+        return x
+
+      return jax.lax.cond(x > 0, pos, lambda x: x, x)
+
+    with self.assertRaisesRegex(NotImplementedError, r"sow 'n'.*vmap"):
+      capture(jax.vmap(f))(jnp.array([1.0, -1.0, 2.0]))
 
   def test_reduced_sow_in_while_on_batched_predicate(self):
     def steps(n):
@@ -441,8 +457,12 @@ class ReducedTest(parameterized.TestCase):
   def test_accumulator_type_change_in_while_is_value_error(self):
     def f(x):
       def body(c):
-        sow(c, name='bad_while_acc', reduce_fn=lambda a, v: a + v,
-            init_fn=lambda: jnp.int32(0))
+        sow(
+            c,
+            name='bad_while_acc',
+            reduce_fn=lambda a, v: a + v,
+            init_fn=lambda: jnp.int32(0),
+        )
         return c + 1.0
 
       return jax.lax.while_loop(lambda c: c < 3.0, body, x)
@@ -488,15 +508,11 @@ class ReducedTest(parameterized.TestCase):
     with self.assertRaisesRegex(TypeError, 'lonely'):
       sow(jnp.float32(1.0), name='lonely', reduce_fn=_add)
     with self.assertRaisesRegex(TypeError, 'lonely'):
-      capture(lambda x: sow(x, name='lonely', reduce_fn=_add))(
-          jnp.float32(1.0)
-      )
+      capture(lambda x: sow(x, name='lonely', reduce_fn=_add))(jnp.float32(1.0))
 
   def test_init_fn_without_reduce_fn_is_type_error(self):
     with self.assertRaisesRegex(TypeError, 'orphan'):
-      capture(lambda x: sow(x, name='orphan', init_fn=_zero))(
-          jnp.float32(1.0)
-      )
+      capture(lambda x: sow(x, name='orphan', init_fn=_zero))(jnp.float32(1.0))
 
 
 class PlainInWhileTest(parameterized.TestCase):
@@ -671,8 +687,9 @@ class CondTest(parameterized.TestCase):
         i, acc = c
         acc = jax.lax.cond(
             i % 3 == 0,
-            lambda a: sow(a, name='every3', reduce_fn=_count,
-                          init_fn=_zero_int),
+            lambda a: sow(
+                a, name='every3', reduce_fn=_count, init_fn=_zero_int
+            ),
             lambda a: a,
             acc,
         )
@@ -720,8 +737,9 @@ class VmapTest(parameterized.TestCase):
 
       return jax.lax.scan(body, jnp.float32(0.0), x)[0]
 
-    xs = np.array([[1.0, -1.0, 2.0], [-1.0, -2.0, -3.0], [1.0, 1.0, 1.0]],
-                  np.float32)
+    xs = np.array(
+        [[1.0, -1.0, 2.0], [-1.0, -2.0, -3.0], [1.0, 1.0, 1.0]], np.float32
+    )
     _, collected = jax.jit(jax.vmap(capture(f)))(xs)
     np.testing.assert_array_equal(collected['n'], [2, 0, 3])
 
@@ -786,14 +804,11 @@ class VmapInsideCaptureTest(parameterized.TestCase):
     self.assertLen(collected['v'], 1)
     np.testing.assert_array_equal(collected['v'][0], expected)
 
-
   def test_reduced_sow_inside_vmap_reduces_every_example(self):
     # A reduced sow under vmap inside the capture folds reduce_fn over the
     # examples in order, as if f had run once per example.
     def per_example(x):
-      sow(
-          jnp.sum(x > 0), name='positives', reduce_fn=_add, init_fn=_zero_int
-      )
+      sow(jnp.sum(x > 0), name='positives', reduce_fn=_add, init_fn=_zero_int)
       sow(x, name='running_max', reduce_fn=jnp.maximum, init_fn=_neg_inf3)
       return x * 2.0
 
@@ -801,9 +816,7 @@ class VmapInsideCaptureTest(parameterized.TestCase):
     out, collected = capture(jax.vmap(per_example))(xs)
     np.testing.assert_array_equal(out, xs * 2.0)
     self.assertEqual(int(collected['positives']), 3)
-    np.testing.assert_array_equal(
-        collected['running_max'], np.max(xs, axis=0)
-    )
+    np.testing.assert_array_equal(collected['running_max'], np.max(xs, axis=0))
 
   def test_reduced_count_in_scan_inside_vmap(self):
     def per_example(x):
@@ -837,9 +850,12 @@ class NameOrderTest(parameterized.TestCase):
   @parameterized.named_parameters(
       ('top_level', lambda f: f),
       ('jit', jax.jit),
-      ('scan', lambda f: lambda x: jax.lax.scan(
-          lambda c, x: (f(x), None), jnp.float32(0.0), jnp.stack([x, x])
-      )[0]),
+      (
+          'scan',
+          lambda f: lambda x: jax.lax.scan(
+              lambda c, x: (f(x), None), jnp.float32(0.0), jnp.stack([x, x])
+          )[0],
+      ),
   )
   def test_reduced_then_plain(self, wrap):
     def f(x):
@@ -910,7 +926,8 @@ class GradientTest(parameterized.TestCase):
     np.testing.assert_array_equal(g, cs)
 
   @parameterized.parameters(
-      None, jax.checkpoint_policies.nothing_saveable,
+      None,
+      jax.checkpoint_policies.nothing_saveable,
       jax.checkpoint_policies.everything_saveable,
   )
   def test_checkpoint_in_scan_under_jit_capture_grad(self, policy):
@@ -965,9 +982,8 @@ class GradientTest(parameterized.TestCase):
 
     grad = jax.grad(f)(jnp.float32(2.0))
     # d/dw sum (w x)^2 = 2 w sum x^2
-    np.testing.assert_allclose(
-        grad, 4.0 * np.sum(XS[:, 0] ** 2), rtol=1e-6
-    )
+    np.testing.assert_allclose(grad, 4.0 * np.sum(XS[:, 0] ** 2), rtol=1e-6)
+
 
 if __name__ == '__main__':
   absltest.main()

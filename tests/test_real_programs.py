@@ -537,6 +537,41 @@ class PerSiteReductionTest(parameterized.TestCase):
     want = 6.0 + 10 * 3.0 + 100 * 2.0 + 1000 * 6.0 - 3.0
     np.testing.assert_allclose(collected['r'], want)
 
+  def test_subset_of_branches_under_vmap_with_batched_predicate(self):
+    def per_example(x):
+      def hot(x):
+        sow(x, name='hot_sum', reduce_fn=lambda a, b: a + b, init_fn=lambda: 0)
+        sow(
+            jnp.int32(1),
+            name='count',
+            reduce_fn=lambda a, b: a + b,
+            init_fn=lambda: jnp.int32(0),
+        )
+        return sow(x * 2.0, name='y')
+
+      def mild(x):
+        sow(
+            jnp.int32(10),
+            name='count',
+            reduce_fn=lambda a, b: a + b,
+            init_fn=lambda: jnp.int32(0),
+        )
+        return sow(x * 3.0, name='y')
+
+      def cold(x):
+        return sow(-x, name='y')
+
+      index = (x > 0).astype(jnp.int32) + (x > 2).astype(jnp.int32)
+      return jax.lax.switch(index, (cold, mild, hot), x)
+
+    xs = jnp.array([3.0, -1.0, 1.0, 5.0, 0.5])
+    out, collected = capture(jax.vmap(per_example))(xs)
+    # By hand: 3 and 5 take `hot`, 1 and 0.5 `mild`, -1 `cold`.
+    np.testing.assert_allclose(out, [6.0, 1.0, 3.0, 10.0, 1.5])
+    np.testing.assert_allclose(collected['hot_sum'], 8.0)
+    self.assertEqual(int(collected['count']), 2 * 1 + 2 * 10)
+    np.testing.assert_allclose(collected['y'][0], out)
+
   def test_module_sow_lambda_closing_over_loop_variable(self):
     class M(nnx.Module):
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import typing as tp
 
 import jax
+import jax.numpy as jnp
 
 from flax.nnx.sow import _jax
 from flax.nnx.sow import loops
@@ -41,9 +42,10 @@ from flax.nnx.sow.capture import accepts
 from flax.nnx.sow.capture import rewrite_jaxpr
 from flax.nnx.sow.capture import sow_sites
 from flax.nnx.sow.primitive import mapped_axis_first
+from flax.nnx.sow.primitive import Reduction
 from flax.nnx.sow.primitive import bind_sow
+from flax.nnx.sow.primitive import sow_p
 from flax.nnx.sow.primitive import MARKER_KINDS
-from flax.nnx.sow.primitive import staging_active
 from flax.nnx.sow.primitive import staging_captures
 
 
@@ -111,49 +113,197 @@ def _scan_batcher(jax_rule, axis_data, args, dims, **params):
 
 
 def _cond_batcher(jax_rule, axis_data, args, dims, *, branches, **params):
-  if dims[0] is not None and staging_active():
-    reduced = [
-        s
-        for b in branches
-        for s in sow_sites(b.jaxpr)
-        if s.reduction is not None
-    ]
-    if reduced:
-      raise NotImplementedError(
-          f'sow {reduced[0].name!r}{reduced[0].where}: a reduced sow inside'
-          ' `lax.cond`/'
-          '`lax.switch` whose predicate `jax.vmap` batches, inside a capture,'
-          ' would be reduced for every example in every branch (vmap runs'
-          ' all branches). Put the vmap around the capture'
-          ' (jax.vmap(capture(f))), or sow a plain value and reduce it'
-          ' afterwards.'
-      )
-  if dims[0] is None or not any(_has_plain_sows(b) for b in branches):
+  if dims[0] is None:
     return jax_rule(axis_data, args, dims, branches=branches, **params)
+  # A batched predicate: vmap runs every branch for every example and
+  # selects. Reduced sows are taken out first, each with a mask of the
+  # examples whose branch sowed it; then plain sows, which every branch must
+  # sow alike (the value of the branch taken is selected).
   n_out = len(branches[0].out_avals)
-  try:
-    new_branches, layout = loops.align_branches(
-        [rewrite_jaxpr(b, PLAIN_SOWS, ()) for b in branches], n_out, branches
+  hoisted = _hoist_reduced(branches)
+  if hoisted is not None:
+    branches, reduced_sites = hoisted
+  else:
+    reduced_sites = []
+  n_kept = len(branches[0].out_avals)  # outputs, then reduced values
+  plain = any(_has_plain_sows(b) for b in branches)
+  layout = None
+  if plain:
+    try:
+      branches, layout = loops.align_branches(
+          [rewrite_jaxpr(b, PLAIN_SOWS, ()) for b in branches],
+          n_kept,
+          branches,
+      )
+    except ValueError:
+      # Mismatched branches: outside a capture the sows stay identities in
+      # every branch. Under a capture that collects them, vmap would run
+      # every branch and collect a value for every example, also those that
+      # took another branch, so it is the error it is without vmap.
+      if any(
+          accepts(key, s.tag, s.reduction, s.kind)
+          for key in staging_captures()
+          for b in branches
+          for s in sow_sites(b.jaxpr)
+          if s.reduction is None and s.kind not in MARKER_KINDS
+      ):
+        raise
+      layout = None
+  outs, out_dims = jax_rule(axis_data, args, dims, branches=branches, **params)
+  if layout is not None:
+    _sow_again(layout, outs[n_kept:], out_dims[n_kept:], axis_data.size)
+  if reduced_sites:
+    index = mapped_axis_first(args[0], dims[0], axis_data.size)
+    _sow_reduced_again(
+        reduced_sites,
+        index,
+        outs[n_out:n_kept],
+        out_dims[n_out:n_kept],
+        axis_data.size,
     )
-  except ValueError:
-    # Mismatched branches: outside a capture the sows stay identities in
-    # every branch. Under a capture that collects them, vmap would run every
-    # branch and collect a value for every example, also those that took
-    # another branch, so it is the error it is without vmap.
-    if any(
-        accepts(key, s.tag, s.reduction, s.kind)
-        for key in staging_captures()
-        for b in branches
-        for s in sow_sites(b.jaxpr)
-        if s.reduction is None and s.kind not in MARKER_KINDS
-    ):
-      raise
-    return jax_rule(axis_data, args, dims, branches=branches, **params)
-  outs, out_dims = jax_rule(
-      axis_data, args, dims, branches=new_branches, **params
-  )
-  _sow_again(layout, outs[n_out:], out_dims[n_out:], axis_data.size)
   return outs[:n_out], out_dims[:n_out]
+
+
+# Reduced sows in the branches of a cond on a batched predicate.
+
+
+class _ReducedSite(tp.NamedTuple):
+  branch: int
+  params: dict
+  avals: tuple[tp.Any, ...]
+
+
+def _hoist_reduced(branches):
+  """Branches without their top-level reduced sows, which they return.
+
+  Every branch returns ``[*outputs, *values]`` where ``values`` has one slot
+  per reduced sow of every branch: its own sows' operands, zeros elsewhere.
+  Returns ``None`` if no branch holds a staged reduced sow.
+
+  Raises:
+    NotImplementedError: for a staged reduced sow nested in a construct
+      inside a branch.
+  """
+  edits = []
+  for closed in branches:
+    jaxpr = closed.jaxpr
+    subst, eqns, found, outs = {}, [], [], []
+    for eqn in jaxpr.eqns:
+      p = eqn.params
+      if (
+          eqn.primitive is sow_p
+          and p['reduction'] is not None
+          and p['effect']
+          and not p['remat_copy']
+      ):
+        operands = [
+            subst.get(v, v) if isinstance(v, _jax.Var) else v
+            for v in eqn.invars
+        ]
+        subst.update(zip(eqn.outvars, operands))
+        found.append((p, tuple(v.aval for v in eqn.invars)))
+        outs.extend(operands)
+        continue
+      nested = [
+          s
+          for j in _jax.jaxprs_in_params(p)
+          for s in sow_sites(j)
+          if s.reduction is not None and s.eqn.params['effect']
+      ]
+      if nested:
+        raise NotImplementedError(
+            f'sow {nested[0].name!r}{nested[0].where}: a reduced sow nested'
+            ' in a construct inside a `lax.cond`/`lax.switch` branch whose'
+            ' predicate `jax.vmap` batches cannot be collected per example.'
+            ' Sow it directly in the branch, or put the vmap around the'
+            ' capture (jax.vmap(capture(f))).'
+        )
+      if subst:
+        eqn = eqn.replace(
+            invars=[
+                subst.get(v, v) if isinstance(v, _jax.Var) else v
+                for v in eqn.invars
+            ]
+        )
+      eqns.append(eqn)
+    outvars = [
+        subst.get(v, v) if isinstance(v, _jax.Var) else v for v in jaxpr.outvars
+    ]
+    edited = _jax.edit_jaxpr(jaxpr, eqns, [*outvars, *outs])
+    edits.append((_jax.ClosedJaxpr(edited, closed.consts), found))
+  if not any(found for _, found in edits):
+    return None
+  sites = [
+      _ReducedSite(b, p, avals)
+      for b, (_, found) in enumerate(edits)
+      for p, avals in found
+  ]
+  n_out = len(branches[0].out_avals)
+  new = []
+  for b, (edited, _) in enumerate(edits):
+
+    def fn(*args, edited=edited, b=b):
+      outs = _jax.eval_closed(edited, args)
+      own = iter(outs[n_out:])
+      values = []
+      for site in sites:
+        for aval in site.avals:
+          values.append(
+              next(own)
+              if site.branch == b
+              else jnp.zeros(aval.shape, aval.dtype)
+          )
+      return [*outs[:n_out], *values]
+
+    new.append(
+        _jax.trace_to_closed_jaxpr(fn, branches[b].in_avals, 'cond_reduced')
+    )
+  return tuple(new), sites
+
+
+def _sow_reduced_again(sites, index, values, dims, axis_size) -> None:
+  """Sows each hoisted reduced value with the mask of its branch's examples.
+
+  ``reduce_fn`` is applied for an example only where the mask is true, so
+  each example folds the sows of the branch it took, as without vmap.
+  """
+  pos = 0
+  for site in sites:
+    n = len(site.avals)
+    leaves = [
+        mapped_axis_first(x, d, axis_size)
+        for x, d in zip(values[pos : pos + n], dims[pos : pos + n])
+    ]
+    pos += n
+    p = site.params
+    batch_dims = p['batch_dims'] + 1
+    mask = index == site.branch
+    if leaves:
+      shape = leaves[0].shape[:batch_dims]
+      mask = jnp.broadcast_to(
+          mask.reshape((axis_size,) + (1,) * (len(shape) - 1)), shape
+      )
+    value = jax.tree_util.tree_unflatten(p['treedef'], leaves)
+    packed, treedef = jax.tree_util.tree_flatten((value, mask))
+    original = p['reduction']
+    bind_sow(
+        packed,
+        name=p['name'],
+        tag=p['tag'],
+        treedef=treedef,
+        reduction=Reduction(_masked(original.reduce_fn), original.init_fn),
+        kind=p['kind'],
+        batch_dims=batch_dims,
+    )
+
+
+def _masked(reduce_fn):
+  def fold(acc, value_and_mask):
+    value, taken = value_and_mask
+    new = reduce_fn(acc, value)
+    return jax.tree.map(lambda n, a: jnp.where(taken, n, a), new, acc)
+
+  return fold
 
 
 def _wrap(primitive, batcher: tp.Callable) -> None:

@@ -378,7 +378,74 @@ class InvarianceTest(parameterized.TestCase):
     np.testing.assert_allclose(grad, x / 8.0)  # y = x / 8, not differentiated
     self.assertEqual(int(collected['n']), 3)
 
-  def test_outside_capture_no_anchor_is_left(self):
+  @parameterized.parameters('grad', 'value_and_grad', 'jit_grad')
+  def test_checkpointed_scan_step(self, transform):
+    def f(w, xs):
+      @jax.checkpoint
+      def step(h, x):
+        sow(w * 2.0, name='w2')
+        sow(
+            w * 2.0, name='r', reduce_fn=lambda a, b: a + b, init_fn=lambda: 0.0
+        )
+        return h + x * w, None
+
+      return jax.lax.scan(step, 0.0, xs)[0]
+
+    t = {
+        'grad': jax.grad(f),
+        'value_and_grad': jax.value_and_grad(f),
+        'jit_grad': jax.jit(jax.grad(f)),
+    }[transform]
+    _, collected = capture(t)(1.5, jnp.arange(4.0))
+    np.testing.assert_allclose(collected['w2'][0], [3.0] * 4)
+    np.testing.assert_allclose(collected['r'], 12.0)
+
+  @parameterized.parameters('plain', 'grad', 'linearize', 'vjp')
+  def test_nested_scans_invariant_in_both(self, transform):
+    def f(w):
+      def outer(h, _):
+        def inner(c, _):
+          sow(
+              1.0,
+              name='inner_steps',
+              reduce_fn=lambda a, b: a + b,
+              init_fn=lambda: 0.0,
+          )
+          sow(w, name='w')
+          return c * w, None
+
+        return jax.lax.scan(inner, h, None, length=3)[0], None
+
+      return jax.lax.scan(outer, 1.0, None, length=4)[0]
+
+    t = {
+        'plain': f,
+        'grad': jax.grad(f),
+        'linearize': lambda w: jax.linearize(f, w)[0],
+        'vjp': lambda w: jax.vjp(f, w)[1](1.0),
+    }[transform]
+    _, collected = capture(t)(0.9)
+    self.assertEqual(list(collected), ['inner_steps', 'w'])
+    np.testing.assert_allclose(collected['inner_steps'], 12.0)
+    np.testing.assert_allclose(collected['w'][0], np.full((4, 3), 0.9))
+
+  def test_jit_vmap_scan_with_python_scalar_init(self):
+    def f(xs):
+      def step(h, x):
+        sow(x, name='x')
+        sow(1, name='steps', reduce_fn=lambda a, b: a + b, init_fn=lambda: 0)
+        return h + x, None
+
+      return jax.lax.scan(step, 0.0, xs)[0]
+
+    xs = jnp.arange(6.0).reshape(2, 3)
+    for g in (jax.vmap(f), jax.jit(jax.vmap(f))):
+      out, collected = capture(g)(xs)
+      np.testing.assert_allclose(out, [3.0, 12.0])
+      np.testing.assert_allclose(collected['x'][0], xs)
+      self.assertEqual(int(collected['steps']), 6)
+
+  def test_outside_capture_no_sow_is_left(self):
     xs = jnp.arange(4.0)
     text = str(jax.make_jaxpr(jax.grad(_loss_invariant))(0.5, xs))
     self.assertNotIn('sow', text)

@@ -221,35 +221,6 @@ def edit_jaxpr(
   )
 
 
-def wrap_bind(primitive: Primitive, wrapper: tp.Callable) -> None:
-  """Routes ``primitive.bind(*args, **params)`` through ``wrapper``.
-
-  ``wrapper(bind, *args, **params)`` receives the original ``bind``. Used
-  for the one primitive (``scan``) whose operands a capture must see before
-  any transform's rule runs (``invariance.py``). Idempotent.
-  """
-  if getattr(primitive.bind, '_sow_wrapped', False):
-    return
-  original = primitive.bind
-
-  def bind(*args, **params):
-    return wrapper(original, *args, **params)
-
-  bind._sow_wrapped = True  # pylint: disable=protected-access
-  primitive.bind = bind
-
-
-def jit_params_with_input(params: dict, jaxpr: ClosedJaxpr) -> dict:
-  """``jit`` parameters for ``jaxpr``, which takes one more (last) input."""
-  return dict(
-      params,
-      jaxpr=jaxpr,
-      in_shardings=(*params['in_shardings'], UNSPECIFIED),
-      in_layouts=(*params['in_layouts'], None),
-      donated_invars=(*params['donated_invars'], False),
-  )
-
-
 def wrap_rule(registry: dict, primitive: Primitive, wrapper: tp.Callable):
   """``registry[primitive]`` becomes ``wrapper(original_rule, *args)``.
 
@@ -276,3 +247,20 @@ def remat_recomputes(saveable: tp.Callable, eqn: JaxprEqn) -> bool:
       saveable(eqn.primitive, *[x.aval for x in eqn.invars], **eqn.params)
   )
   return isinstance(policy, pe.RecomputeType)
+
+
+custom_partial_eval_rules = pe.custom_partial_eval_rules
+
+
+def wrap_scan_hoisting(wrapper: tp.Callable) -> None:
+  """Wraps ``scan``'s loop-invariant hoisting (``_scan_known_hoisting``).
+
+  ``_scan_partial_eval`` and ``_scan_linearize`` look the function up in
+  their module at each call, so replacing it there is enough. Idempotent.
+  """
+  loops = lax_control_flow.loops
+  if getattr(loops._scan_known_hoisting, '_sow_wrapped', False):
+    return
+  wrapped = wrapper(loops._scan_known_hoisting)
+  wrapped._sow_wrapped = True  # pylint: disable=protected-access
+  loops._scan_known_hoisting = wrapped

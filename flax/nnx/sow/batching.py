@@ -195,6 +195,7 @@ def _hoist_reduced(branches):
           and p['reduction'] is not None
           and p['effect']
           and not p['remat_copy']
+          and p['kind'] not in MARKER_KINDS
       ):
         operands = [
             subst.get(v, v) if isinstance(v, _jax.Var) else v
@@ -208,7 +209,9 @@ def _hoist_reduced(branches):
           s
           for j in _jax.jaxprs_in_params(p)
           for s in sow_sites(j)
-          if s.reduction is not None and s.eqn.params['effect']
+          if s.reduction is not None
+          and s.eqn.params['effect']
+          and s.kind not in MARKER_KINDS
       ]
       if nested:
         raise NotImplementedError(

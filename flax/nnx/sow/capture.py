@@ -368,6 +368,8 @@ class Collector:
     """
     specs: dict[Name, ReducedSpec] = {}
     for site in self.accepted_sites(jaxprs):
+      if site.kind in MARKER_KINDS:
+        continue  # says where a name is first sown; holds no value
       if site.reduction is None:
         if site.name in self.accumulators:
           raise _reduction_error(site.name, site.where)
@@ -521,7 +523,7 @@ def initial_accumulator(reduction: Reduction, value) -> Accumulator:
     target_leaves, target_treedef = abstract_fold(
         reduction.reduce_fn, treedef, leaves, value_treedef, value_avals
     )
-    if target_treedef == treedef:
+    if target_treedef is not None and target_treedef == treedef:
       leaves = [
           jax.numpy.broadcast_to(x.astype(t.dtype), t.shape)
           if x.weak_type and x.ndim == 0

@@ -12,75 +12,83 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""Loop-invariant sows keep one value per iteration under any transform.
+"""What a capture collects does not depend on how JAX restructures a program.
 
-JAX's partial evaluation of ``scan`` (``_scan_known_hoisting``, used by
-``grad``, ``linearize`` and ``checkpoint``) moves work that depends only on
-the loop's constants out of the loop. A sow whose operands are loop-invariant
-would move with it and be collected once, without its iteration axis,
-breaking the rule that ``capture(T(f))`` collects what ``capture(f)`` does.
+This file owns the partial-evaluation behaviour of staged sows that keeps
+``capture(T(f))`` collecting what ``capture(f)`` does, for ``T`` in ``grad``,
+``linearize`` and ``checkpoint``:
 
-This file owns the fix. While a capture stages, every ``scan`` bound with
-such a sow in its body is bound instead with one more ``xs`` operand, the
-iteration index, and the sow's operands pass through ``anchor_p``: an
-identity on its leading operands whose last operand is that index. The
-anchored value depends on the iteration, so no partial evaluation can hoist
-the sow; consumers of the sow keep reading the original operands, so the
-loop-invariant work itself is still hoisted. ``anchor_p`` lowers to nothing.
-Outside a capture's staging nothing changes.
+* **Loop-invariant sows stay in the loop.** JAX's partial evaluation of
+  ``scan`` (``_scan_known_hoisting``, used by ``grad``/``linearize``, and the
+  same step in ``_scan_partial_eval_custom``, used by ``checkpoint``) moves
+  work that reads only the loop's constants out of the loop. While it does,
+  a staged sow counts as loop-dependent: it is staged in the loop with its
+  (hoisted) operands, so it still runs once per iteration, at any depth of
+  nesting (a ``jit``, a ``custom_jvp`` or a ``cond`` in the body), while its
+  consumers read the operands, so the invariant work is still hoisted.
+* **The rematerialised copy collects nothing.** ``checkpoint`` recomputes a
+  ``while_loop`` or a ``custom_jvp``/``custom_vjp`` call whole; the copy's
+  sows become remat copies, as a bare sow's own rule does.
+
+Nothing here changes a program that no capture stages.
 """
 
 from __future__ import annotations
 
 import threading
-import weakref
-
-import jax.numpy as jnp
-import numpy as np
 
 from flax.nnx.sow import _jax
 from flax.nnx.sow.primitive import sow_effect
 from flax.nnx.sow.primitive import sow_p
-from flax.nnx.sow.primitive import staging_active
 
 # ----------------------------------------------------------------------------
-# anchor_p: anchor(*xs, index) -> xs
+# Loop-invariant sows under scan's hoisting.
 
 
-anchor_p = _jax.Primitive('sow_anchor')
-anchor_p.multiple_results = True
+class _Hoisting(threading.local):
+  depth = 0
 
 
-@anchor_p.def_impl
-def _anchor_impl(*args):
-  return args[:-1]
+_HOISTING = _Hoisting()
 
 
-anchor_p.def_abstract_eval(lambda *avals: avals[:-1])
-_jax.register_lowering(anchor_p, lambda ctx, *args: args[:-1])
+def _keeping_sows_in_loops(rule):
+  """``rule`` run with staged sows kept in the loop (see the module doc)."""
+
+  def wrapped(*args, **kwargs):
+    _HOISTING.depth += 1
+    try:
+      return rule(*args, **kwargs)
+    finally:
+      _HOISTING.depth -= 1
+
+  return wrapped
 
 
-def _anchor_jvp(primals, tangents):
-  # The anchor orders the primal; tangents pass through as they are.
-  return anchor_p.bind(*primals), list(tangents[:-1])
+def _sow_partial_eval(trace, *tracers, **params):
+  if (
+      _HOISTING.depth
+      and params['effect']
+      and not params['remat_copy']
+      and all(t.pval.is_known() for t in tracers)
+  ):
+    # Stage the sow in the loop body (kept by its effect), reading the
+    # operands as constants the hoisting passes in; consumers keep the
+    # known operands, so what they compute may still be hoisted.
+    trace.default_process_primitive(
+        sow_p, [trace.instantiate_const(t) for t in tracers], params
+    )
+    return list(tracers)
+  return trace.default_process_primitive(sow_p, tracers, params)
 
 
-def _anchor_transpose(cts, *args):
-  return [*cts, None]
-
-
-def _anchor_batch(axis_data, args, dims):
-  del axis_data
-  return anchor_p.bind(*args), list(dims[:-1])
-
-
-_jax.primitive_jvps[anchor_p] = _anchor_jvp
-_jax.primitive_transposes[anchor_p] = _anchor_transpose
-_jax.fancy_primitive_batchers[anchor_p] = _anchor_batch
-
-
-# ----------------------------------------------------------------------------
-# Finding the sows to anchor in a scan body.
+_jax.custom_partial_eval_rules[sow_p] = _sow_partial_eval
+_jax.wrap_scan_hoisting(_keeping_sows_in_loops)
+_jax.wrap_rule(
+    _jax.partial_eval_jaxpr_custom_rules,
+    _jax.scan_p,
+    lambda rule, *args, **kwargs: _keeping_sows_in_loops(rule)(*args, **kwargs),
+)
 
 
 def _holds_staged_sow(jaxpr: _jax.Jaxpr) -> bool:
@@ -91,135 +99,6 @@ def _holds_staged_sow(jaxpr: _jax.Jaxpr) -> bool:
     elif any(_holds_staged_sow(j) for j in _jax.jaxprs_in_params(eqn.params)):
       return True
   return False
-
-
-def _anchored(jaxpr: _jax.Jaxpr, varying: set) -> _jax.Jaxpr | None:
-  """``jaxpr`` with one more (last) input, the index, anchoring its sows.
-
-  An equation is anchored when it sows, or holds a sow in a sub-jaxpr, and
-  none of its operands depends on ``varying`` (the carry and ``xs``): a sow
-  reads its operands through ``anchor_p``; a ``jit`` takes the index as one
-  more input and is anchored inside, recursively (it may have no operands
-  at all, e.g. a jitted sow of a constant); any other construct reads its
-  operands through ``anchor_p``. Returns ``None`` when nothing needs it.
-  """
-  varying = set(varying)
-  index = _jax.Var(_jax.ShapedArray((), np.dtype('int32')))
-  eqns, subst, changed = [], {}, False
-  for eqn in jaxpr.eqns:
-    if subst:
-      eqn = eqn.replace(
-          invars=[
-              subst.get(v, v) if isinstance(v, _jax.Var) else v
-              for v in eqn.invars
-          ]
-      )
-    if any(isinstance(v, _jax.Var) and v in varying for v in eqn.invars):
-      varying.update(eqn.outvars)
-      eqns.append(eqn)
-      continue
-    if eqn.primitive is sow_p:
-      p = eqn.params
-      if not p['effect'] or p['remat_copy'] or not eqn.invars:
-        eqns.append(eqn)
-        continue
-      anchored = _anchor_operands(eqns, eqn, index)
-      if p['kind'] != 'perturb':
-        # Consumers read the operands (the sow is the identity), so only
-        # the sow itself runs per iteration. (A perturb's consumers must
-        # read its result: that is where its cotangent arrives.)
-        subst.update(zip(eqn.outvars, eqn.invars))
-        eqn = eqn.replace(
-            invars=anchored, outvars=[_jax.Var(v.aval) for v in eqn.outvars]
-        )
-      else:
-        eqn = eqn.replace(invars=anchored)
-      changed = True
-    elif any(_holds_staged_sow(j) for j in _jax.jaxprs_in_params(eqn.params)):
-      if eqn.primitive is _jax.jit_p:
-        eqn = _anchored_jit(eqn, index)
-        changed = True
-      elif eqn.invars:
-        eqn = eqn.replace(invars=_anchor_operands(eqns, eqn, index))
-        changed = True
-      varying.update(eqn.outvars)
-    eqns.append(eqn)
-  if not changed:
-    return None
-  outvars = [
-      subst.get(v, v) if isinstance(v, _jax.Var) else v for v in jaxpr.outvars
-  ]
-  new = _jax.edit_jaxpr(jaxpr, eqns, outvars)
-  return new.replace(invars=[*jaxpr.invars, index])
-
-
-def _anchor_operands(eqns, eqn, index):
-  """Appends ``anchor_p`` of ``eqn``'s operands to ``eqns``; returns them."""
-  anchored = [_jax.Var(v.aval) for v in eqn.invars]
-  eqns.append(
-      _jax.new_jaxpr_eqn(
-          [*eqn.invars, index],
-          anchored,
-          anchor_p,
-          {},
-          set(),
-          eqn.source_info,
-          eqn.ctx,
-      )
-  )
-  return anchored
-
-
-def _anchored_jit(eqn, index):
-  """A ``jit`` equation that takes ``index`` last and anchors its sows."""
-  p = eqn.params
-  inner = _anchored(p['jaxpr'].jaxpr, set())
-  if inner is None:
-    return eqn
-  return eqn.replace(
-      invars=[*eqn.invars, index],
-      params=_jax.jit_params_with_input(
-          p, _jax.ClosedJaxpr(inner, p['jaxpr'].consts)
-      ),
-  )
-
-
-def _anchored_body(closed: _jax.ClosedJaxpr, num_consts: int):
-  """``closed`` with one more ``xs`` input that anchors its invariant sows.
-
-  Returns ``None`` when no sow needs an anchor.
-  """
-  if not _holds_staged_sow(closed.jaxpr):
-    return None
-  new = _anchored(closed.jaxpr, set(closed.jaxpr.invars[num_consts:]))
-  return None if new is None else _jax.ClosedJaxpr(new, closed.consts)
-
-
-_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_cache_lock = threading.Lock()
-
-
-def anchored_body(closed: _jax.ClosedJaxpr, num_consts: int):
-  """Cached :func:`_anchored_body` (per body jaxpr, weakly)."""
-  per = _cache.get(closed)
-  if per is not None and num_consts in per:
-    return per[num_consts]
-  result = _anchored_body(closed, num_consts)
-  with _cache_lock:
-    _cache.setdefault(closed, {})[num_consts] = result
-  return result
-
-
-def _scan_bind(bind, *args, **params):
-  if staging_active():
-    body = anchored_body(params['jaxpr'], params['num_consts'])
-    if body is not None:
-      index = jnp.arange(params['length'], dtype=jnp.int32)
-      return bind(*args, index, **dict(params, jaxpr=body))
-  return bind(*args, **params)
-
-
-_jax.wrap_bind(_jax.scan_p, _scan_bind)
 
 
 # ----------------------------------------------------------------------------

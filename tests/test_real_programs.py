@@ -635,6 +635,8 @@ class PerSiteReductionTest(parameterized.TestCase):
     out, collected = capture(jax.vmap(per_example))(xs)
     # By hand: 3 and 5 take `hot`, 1 and 0.5 `mild`, -1 `cold`.
     np.testing.assert_allclose(out, [6.0, 1.0, 3.0, 10.0, 1.5])
+    # Names in order of first sow, branch by branch (cold, mild, hot).
+    self.assertEqual(list(collected), ['y', 'count', 'hot_sum'])
     np.testing.assert_allclose(collected['hot_sum'], 8.0)
     self.assertEqual(int(collected['count']), 2 * 1 + 2 * 10)
     np.testing.assert_allclose(collected['y'][0], out)

@@ -120,6 +120,7 @@ def _cond_batcher(jax_rule, axis_data, args, dims, *, branches, **params):
   # examples whose branch sowed it; then plain sows, which every branch must
   # sow alike (the value of the branch taken is selected).
   n_out = len(branches[0].out_avals)
+  original = branches
   hoisted = _hoist_reduced(branches)
   if hoisted is not None:
     branches, reduced_sites = hoisted
@@ -149,6 +150,10 @@ def _cond_batcher(jax_rule, axis_data, args, dims, *, branches, **params):
       ):
         raise
       layout = None
+  if layout is not None or reduced_sites:
+    # The hoisted sows come after the cond; markers before it keep the
+    # names in their order of first sow (branch by branch, as without vmap).
+    _mark_order([s for b in original for s in sow_sites(b.jaxpr)])
   outs, out_dims = jax_rule(axis_data, args, dims, branches=branches, **params)
   if layout is not None:
     _sow_again(layout, outs[n_kept:], out_dims[n_kept:], axis_data.size)

@@ -533,6 +533,79 @@ class PerSiteReductionTest(parameterized.TestCase):
     _, collected = capture(f)(jnp.float32(2.0))
     np.testing.assert_allclose(collected['w'], 2.0 * (1 + 2 + 3))
 
+  def test_lambda_reading_loop_variable_without_default(self):
+    # Flax applies reduce_fn at the sow, so the lambda sees i as it is then.
+    def f(x):
+      for i in range(3):
+        sow(
+            x,
+            name='s',
+            reduce_fn=lambda acc, v: acc + i * v,
+            init_fn=lambda: 0.0,
+        )
+      return x
+
+    _, collected = capture(f)(jnp.float32(1.0))
+    np.testing.assert_allclose(collected['s'], 0.0 + 1.0 + 2.0)
+
+  def test_reduce_fn_closing_over_intermediates(self):
+    def f(xs):
+      scale = jnp.sum(xs)  # an intermediate of the captured function
+      sow(
+          xs,
+          name='top',
+          reduce_fn=lambda a, v: a + jnp.sum(v) * scale,
+          init_fn=lambda: 0.0,
+      )
+
+      def body(c, x):
+        weight = x * 2.0  # an intermediate of the loop body
+        sow(
+            x,
+            name='loop',
+            reduce_fn=lambda a, v: a + v * weight,
+            init_fn=lambda: 0.0,
+        )
+        return c, None
+
+      jax.lax.scan(body, 0.0, xs)
+      jax.vmap(
+          lambda x: sow(
+              x,
+              name='vm',
+              reduce_fn=lambda a, v: a + v * x,
+              init_fn=lambda: 0.0,
+          )
+      )(xs)
+      return xs
+
+    xs = jnp.array([1.0, 2.0, 3.0])
+    for g in (capture(f), jax.jit(capture(f))):
+      _, collected = g(xs)
+      np.testing.assert_allclose(collected['top'], 6.0 * 6.0)
+      np.testing.assert_allclose(collected['loop'], 2.0 * (1 + 4 + 9))
+      np.testing.assert_allclose(collected['vm'], 1 + 4 + 9)
+
+  def test_module_sow_reduce_fn_reading_module_state(self):
+    class Scaled(nnx.Module):
+
+      def __init__(self):
+        self.scale = nnx.Param(jnp.float32(3.0))
+
+      def __call__(self, x):
+        for i in range(2):
+          self.sow(
+              nnx.Intermediate,
+              'acc',
+              x,
+              reduce_fn=lambda a, v: a + v * self.scale[...] + i,
+              init_fn=lambda: 0.0,
+          )
+        return x
+
+    _, state = nnx.capture(Scaled(), nnx.Intermediate)(jnp.float32(2.0))
+    np.testing.assert_allclose(state['acc'].get_value(), 6.0 + 0 + 6.0 + 1)
+
   def test_python_int_init_promotes(self):
     def f(x):
       sow(x, name='s', reduce_fn=lambda a, b: a + b, init_fn=lambda: 0)

@@ -43,9 +43,12 @@ import numpy as np
 
 from flax.nnx.sow import _jax
 from flax.nnx.sow import graph as graph_lib
+from flax.nnx.sow import reductions
+from flax.nnx.sow.reductions import Accumulator
+from flax.nnx.sow.reductions import Reduction
+from flax.nnx.sow.reductions import strong
 from flax.nnx.sow.primitive import MARKER_KINDS
 from flax.nnx.sow.primitive import Name
-from flax.nnx.sow.primitive import Reduction
 from flax.nnx.sow.primitive import sow_p
 from flax.nnx.sow.primitive import staging
 
@@ -83,10 +86,11 @@ class SowSite:
     return '' if self.eqn is None else where(self.eqn)
 
   def value_avals(self) -> tuple[tp.Any, ...]:
-    b = self.eqn.params['batch_dims']
+    p = self.eqn.params
+    b = p['batch_dims']
+    invars = self.eqn.invars[: len(self.eqn.invars) - p['n_closure']]
     return tuple(
-        _jax.ShapedArray(v.aval.shape[b:], v.aval.dtype)
-        for v in self.eqn.invars
+        _jax.ShapedArray(v.aval.shape[b:], v.aval.dtype) for v in invars
     )
 
 
@@ -128,18 +132,6 @@ def as_jaxpr(j: _jax.Jaxpr | _jax.ClosedJaxpr) -> _jax.Jaxpr:
 
 # ----------------------------------------------------------------------------
 # Per-scope collection state.
-
-
-@dataclasses.dataclass(frozen=True)
-class Accumulator:
-  """A reduced name's running value: its structure and leaves."""
-
-  treedef: tp.Any
-  leaves: tuple[tp.Any, ...]
-
-  @property
-  def avals(self):
-    return tuple(_jax.typeof(x) for x in self.leaves)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,14 +268,23 @@ class Collector:
   # sub-jaxpr (``reduced_specs``, ``ReducedSpec``), so its type is fixed.
 
   def accumulator(
-      self, name: Name, reduction: Reduction, value_avals, where_: str = ''
+      self,
+      name: Name,
+      reduction: Reduction,
+      value,
+      where_: str = '',
+      closure=(),
   ) -> Accumulator:
-    """The accumulator of ``name``, created from ``init_fn()`` if new."""
+    """The accumulator of ``name``, created from ``init_fn()`` if new.
+
+    ``value`` is ``(treedef, avals)`` of one sown value; ``closure`` the
+    site's closure operands (``reductions.py``).
+    """
     acc = self.accumulators.get(name)
     if acc is None:
       if name in self.plain_names:
         raise _reduction_error(name, where_)
-      acc = initial_accumulator(reduction, value_avals)
+      acc = reductions.initial_accumulator(reduction, *value, closure)
       self.accumulators[name] = acc
     return acc
 
@@ -295,21 +296,37 @@ class Collector:
       leaves,
       batch_dims=0,
       where_: str = '',
+      closure=(),
   ):
-    """Folds one sown value (or, with ``batch_dims``, a batch) into ``name``."""
+    """Folds one sown value (or, with ``batch_dims``, a batch) into ``name``.
+
+    ``closure`` holds the site's closure operands, with the same leading
+    batch axes as ``leaves``.
+    """
     value_avals = [
         _jax.ShapedArray(_jax.typeof(x).shape[batch_dims:], x.dtype)
         for x in leaves
     ]
-    acc = self.accumulator(name, reduction, (treedef, value_avals), where_)
+    closure = list(closure)
+    if batch_dims and closure:
+      # Under vmap every example has its own closure; the accumulator is
+      # created from the first example's.
+      first = [x[(0,) * batch_dims] for x in closure]
+    else:
+      first = closure
+    acc = self.accumulator(
+        name, reduction, (treedef, value_avals), where_, first
+    )
     self.names.setdefault(name, None)
 
-    def step(acc_leaves, value_leaves):
-      new = reduction.reduce_fn(
-          jax.tree_util.tree_unflatten(acc.treedef, acc_leaves),
-          jax.tree_util.tree_unflatten(treedef, value_leaves),
+    def step(acc_leaves, value_leaves, closure_leaves):
+      new_leaves, new_treedef = reductions.fold(
+          reduction,
+          Accumulator(acc.treedef, tuple(acc_leaves)),
+          treedef,
+          value_leaves,
+          closure_leaves,
       )
-      new_leaves, new_treedef = jax.tree_util.tree_flatten(new)
       new_leaves = tuple(strong(x) for x in new_leaves)
       new_avals = tuple(_jax.typeof(x) for x in new_leaves)
       if new_treedef != acc.treedef or not _same_types(new_avals, acc.avals):
@@ -324,12 +341,15 @@ class Collector:
 
     if batch_dims:
       # Values sown under vmap: one reduction per example, in order.
-      batch = [x.reshape((-1, *x.shape[batch_dims:])) for x in leaves]
+      n = len(leaves)
+      batch = [
+          x.reshape((-1, *x.shape[batch_dims:])) for x in [*leaves, *closure]
+      ]
       new_leaves, _ = jax.lax.scan(
-          lambda a, v: (step(a, v), None), acc.leaves, batch
+          lambda a, v: (step(a, v[:n], v[n:]), None), acc.leaves, batch
       )
     else:
-      new_leaves = step(acc.leaves, leaves)
+      new_leaves = step(acc.leaves, leaves, closure)
     self.accumulators[name] = Accumulator(acc.treedef, tuple(new_leaves))
 
   def on_sow(self, eqn: _jax.JaxprEqn, invals: list[tp.Any]) -> list[tp.Any]:
@@ -342,21 +362,24 @@ class Collector:
       self.names.setdefault(p['name'], None)
       return invals
     invals = [x if is_array(x) else jax.numpy.asarray(x) for x in invals]
+    n = len(invals) - p['n_closure']
+    values, closure = invals[:n], invals[n:]
     if p['reduction'] is None:
       spec = EntrySpec(
-          p['name'], p['tag'], p['treedef'], len(invals), p['kind']
+          p['name'], p['tag'], p['treedef'], len(values), p['kind']
       )
-      self.add_entry(spec, invals, where(eqn))
+      self.add_entry(spec, values, where(eqn))
     else:
       self.reduce(
           p['name'],
           p['reduction'],
           p['treedef'],
-          invals,
+          values,
           p['batch_dims'],
           where(eqn),
+          closure,
       )
-    return invals
+    return values
 
   # -- sub-jaxprs ---------------------------------------------------------
 
@@ -376,6 +399,18 @@ class Collector:
         continue
       if site.name in specs:
         continue
+      snap = site.reduction.snapshot
+      if (
+          site.name not in self.accumulators
+          and snap is not None
+          and snap.n_init_closure
+      ):
+        raise NotImplementedError(
+            f'sow {site.name!r}{site.where}: its init_fn reads a value traced'
+            ' inside the construct that holds the sow, but the accumulator'
+            ' is created before the construct runs. Make init_fn return'
+            ' constants (e.g. jnp.zeros(shape)).'
+        )
       acc = self.accumulator(
           site.name,
           site.reduction,
@@ -505,65 +540,6 @@ def _unflatten_collected(keys, values):
 jax.tree_util.register_pytree_with_keys(
     Collected, _flatten_collected, _unflatten_collected
 )
-
-
-def initial_accumulator(reduction: Reduction, value) -> Accumulator:
-  """``init_fn()`` as an accumulator for values of type ``value``.
-
-  ``value`` is ``(treedef, avals)`` of one sown value. A weakly typed leaf of
-  ``init_fn()`` (a Python scalar, as in ``init_fn=lambda: 0``) takes the
-  dtype and shape that ``reduce_fn(init, value)`` gives it, as weak types
-  promote in ``jnp``; other leaves keep their type.
-  """
-  init = reduction.init_fn()
-  leaves, treedef = jax.tree_util.tree_flatten(init)
-  leaves = [jax.numpy.asarray(x) for x in leaves]
-  if any(x.weak_type for x in leaves):
-    value_treedef, value_avals = value
-    target_leaves, target_treedef = abstract_fold(
-        reduction.reduce_fn, treedef, leaves, value_treedef, value_avals
-    )
-    if target_treedef is not None and target_treedef == treedef:
-      leaves = [
-          jax.numpy.broadcast_to(x.astype(t.dtype), t.shape)
-          if x.weak_type and x.ndim == 0
-          else x
-          for x, t in zip(leaves, target_leaves)
-      ]
-  return Accumulator(treedef, tuple(strong(x) for x in leaves))
-
-
-def abstract_fold(reduce_fn, acc_treedef, acc_leaves, treedef, avals):
-  """The avals and structure of ``reduce_fn(acc, value)``, without running it.
-
-  Traced into a throw-away jaxpr rather than with ``jax.eval_shape``, whose
-  caches would keep every fresh ``reduce_fn`` (an inline ``lambda`` per call)
-  alive. Returns ``([], None)`` if ``reduce_fn`` fails on these types (the
-  fold reports the error where it happens).
-  """
-  out = []
-
-  def fold(*leaves):
-    acc = jax.tree_util.tree_unflatten(acc_treedef, leaves[: len(acc_leaves)])
-    value = jax.tree_util.tree_unflatten(treedef, leaves[len(acc_leaves) :])
-    result_leaves, result_treedef = jax.tree_util.tree_flatten(
-        reduce_fn(acc, value)
-    )
-    out.append(result_treedef)
-    return [jax.numpy.asarray(x) for x in result_leaves]
-
-  in_avals = [_jax.typeof(x) for x in acc_leaves] + list(avals)
-  try:
-    closed = _jax.trace_to_closed_jaxpr(fold, in_avals, 'reduce_fn')
-  except Exception:  # pylint: disable=broad-except
-    return [], None
-  return list(closed.out_avals), out[-1]
-
-
-def strong(x: tp.Any) -> tp.Any:
-  """``x`` as an array without a weak type, so loop carries type-check."""
-  x = jax.numpy.asarray(x)
-  return jax.lax.convert_element_type(x, x.dtype) if x.weak_type else x
 
 
 def _same_types(a, b) -> bool:

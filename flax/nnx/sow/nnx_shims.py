@@ -54,8 +54,8 @@ from flax.nnx import graphlib as _graphlib
 from flax.nnx import module as _module_lib
 from flax.nnx import variablelib as _variablelib
 
+from flax.nnx.sow import reductions
 from flax.nnx.sow import state as state_lib
-from flax.nnx.sow.capture import abstract_fold
 from flax.nnx.sow.capture import stage_and_collect
 from flax.nnx.sow.graph import functional_graph_call
 from flax.nnx.sow import paths as paths_lib
@@ -112,15 +112,8 @@ def _grows(reduce_fn, init_fn, value) -> bool:
   and folds ``reduce_fn`` when it builds the State, as Flax does.
   """
   init = init_fn()
-  leaves, treedef = jax.tree.flatten(init)
-  try:
-    leaves = [jnp.asarray(x) for x in leaves]
-    value_leaves, value_treedef = jax.tree.flatten(value)
-    avals = [jax.typeof(jnp.asarray(x)) for x in value_leaves]
-  except TypeError:
-    return True
-  _, target = abstract_fold(reduce_fn, treedef, leaves, value_treedef, avals)
-  return target != treedef
+  target = reductions.result_structure(reduce_fn, init, value)
+  return target != jax.tree.structure(init)
 
 
 def _is_array_tree(value) -> bool:

@@ -25,7 +25,6 @@ mapped axis first. Collecting what was sown is ``capture``'s job
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import typing as tp
 
@@ -34,6 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from flax.nnx.sow import _jax
+from flax.nnx.sow import reductions
+from flax.nnx.sow.reductions import Reduction
 
 Name = tp.Union[str, tuple[tp.Union[str, int], ...]]
 
@@ -49,22 +50,6 @@ sow_effect = SowEffect()
 _jax.allow_effect(SowEffect)
 # Errors name the user's line that called ``sow``, not this package's.
 _jax.exclude_from_source_info(os.path.dirname(os.path.abspath(__file__)))
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Reduction:
-  """The ``reduce_fn``/``init_fn`` pair of one reduced sow site.
-
-  Each site folds its values with its own ``reduce_fn`` (as Flax's
-  ``Module.sow`` does), so two sites of one name may hold different function
-  objects, e.g. lambdas written inline. Compared by identity.
-  """
-
-  reduce_fn: tp.Callable[[tp.Any, tp.Any], tp.Any]
-  init_fn: tp.Callable[[], tp.Any]
-
-
-_jax.weak_cache_key(Reduction)
 
 
 sow_p = _jax.Primitive('sow')
@@ -90,6 +75,10 @@ sow_p.multiple_results = True
 #   otherwise, where nothing can collect it: the sow is then an ordinary
 #   identity, removed by dead-code elimination and invisible to ``jax.jit``'s
 #   dispatch (an effect would disable its C++ fast path).
+# * ``n_closure``: the last ``n_closure`` operands are not sown: they are the
+#   traced values a reduced sow's ``init_fn``/``reduce_fn`` close over
+#   (``reductions.py``), carried to the capture as operands. The outputs are
+#   the sown leaves only.
 # * ``remat_copy``: the copy of a sow that partial evaluation leaves in a
 #   rematerialised (recomputed) program: an identity without effect that no
 #   capture collects, so a sow inside ``jax.checkpoint`` is collected once
@@ -128,30 +117,39 @@ def bind_sow(
     reduction: Reduction | None = None,
     kind: str = 'value',
     batch_dims: int = 0,
+    closure: tp.Sequence[tp.Any] = (),
 ) -> list[tp.Any]:
   """Binds ``sow_p`` (effectful while a capture stages)."""
   return sow_p.bind(
       *leaves,
+      *closure,
       name=name,
       tag=tag,
       treedef=treedef,
       reduction=reduction,
       kind=kind,
       batch_dims=batch_dims,
+      n_closure=len(closure),
       effect=staging_active(),
       remat_copy=False,
   )
 
 
 @sow_p.def_impl
-def _sow_impl(*leaves, **params):
+def _sow_impl(*leaves, n_closure, **params):
+  del params
+  return leaves[: len(leaves) - n_closure]
+
+
+def _identity_impl(*leaves, **params):
   del params
   return leaves
 
 
 @sow_p.def_effectful_abstract_eval
-def _sow_abstract_eval(*avals, effect, remat_copy, **params):
+def _sow_abstract_eval(*avals, effect, remat_copy, n_closure, **params):
   del params
+  avals = avals[: len(avals) - n_closure]
   return avals, {sow_effect} if effect and not remat_copy else set()
 
 
@@ -160,7 +158,12 @@ def _identity_lowering(ctx, *leaves, **params):
   return leaves
 
 
-_jax.register_lowering(sow_p, _identity_lowering)
+def _sow_lowering(ctx, *leaves, n_closure, **params):
+  del ctx, params
+  return leaves[: len(leaves) - n_closure]
+
+
+_jax.register_lowering(sow_p, _sow_lowering)
 
 
 def _sow_jvp(primals, tangents, **params):
@@ -168,6 +171,7 @@ def _sow_jvp(primals, tangents, **params):
   # ``jax.grad`` collects primals). A ``perturb`` marker routes its tangent
   # through ``perturb_tangent_p``, whose transpose sows the cotangent.
   out = sow_p.bind(*primals, **params)
+  tangents = tangents[: len(tangents) - params['n_closure']]
   if params['kind'] != 'perturb' or all(type(t) is _jax.Zero for t in tangents):
     return out, list(tangents)
   tangents = [_jax.instantiate_zeros(t) for t in tangents]
@@ -185,8 +189,8 @@ _jax.primitive_jvps[sow_p] = _sow_jvp
 def _sow_transpose(cts, *args, **params):
   # A sow on a tangent (e.g. in a custom_jvp rule) is the identity: the
   # cotangent passes through and nothing is sown on it.
-  del args, params
-  return list(cts)
+  del args
+  return [*cts, *([None] * params['n_closure'])]
 
 
 _jax.primitive_transposes[sow_p] = _sow_transpose
@@ -200,8 +204,9 @@ def _sow_batch(axis_data, leaves, dims, **params):
   ]
   params = dict(params, batch_dims=params['batch_dims'] + 1)
   outs = sow_p.bind(*moved, **params)
+  n = len(outs)  # the closure is batched with the value, not returned
   outs = [o if d is not None else x for o, x, d in zip(outs, leaves, dims)]
-  return outs, [None if d is None else 0 for d in dims]
+  return outs, [None if d is None else 0 for d in dims[:n]]
 
 
 def mapped_axis_first(x, dim: int | None, size: int):
@@ -218,7 +223,7 @@ _jax.fancy_primitive_batchers[sow_p] = _sow_batch
 # identity; its transpose sows the cotangent (kind ``'cotangent'``).
 perturb_tangent_p = _jax.Primitive('perturb_tangent')
 perturb_tangent_p.multiple_results = True
-perturb_tangent_p.def_impl(_sow_impl)
+perturb_tangent_p.def_impl(_identity_impl)
 perturb_tangent_p.def_abstract_eval(lambda *avals, **params: avals)
 _jax.register_lowering(perturb_tangent_p, _identity_lowering)
 
@@ -252,7 +257,7 @@ _jax.fancy_primitive_batchers[perturb_tangent_p] = _perturb_tangent_batch
 def _sow_partial_eval_custom(saveable, unks_in, inst_in, eqn):
   """Partial evaluation for remat: the sow runs in the known program only."""
   del saveable
-  n = len(eqn.outvars)
+  n = len(eqn.outvars)  # the sown leaves; the closure operands follow
   if any(unks_in):
     # A sow of a value only known later is staged whole; its known inputs
     # that the staged program does not compute become residuals.
@@ -264,19 +269,19 @@ def _sow_partial_eval_custom(saveable, unks_in, inst_in, eqn):
     return None, eqn, [True] * n, [True] * n, res
   # Known: collect here; where the staged program recomputes the operand, it
   # recomputes the result with an effect-free copy instead of saving it.
-  keep = [i for i, inst in enumerate(inst_in) if inst]
+  keep = [i for i, inst in enumerate(inst_in[:n]) if inst]
   staged = None
   if keep:
     staged = _jax.new_jaxpr_eqn(
         [eqn.invars[i] for i in keep],
         [eqn.outvars[i] for i in keep],
         sow_p,
-        dict(eqn.params, remat_copy=True),
+        dict(eqn.params, remat_copy=True, n_closure=0),
         set(),
         eqn.source_info,
         eqn.ctx,
     )
-  return eqn, staged, [False] * n, list(inst_in), []
+  return eqn, staged, [False] * n, list(inst_in[:n]), []
 
 
 _jax.partial_eval_jaxpr_custom_rules[sow_p] = _sow_partial_eval_custom
@@ -419,8 +424,22 @@ def sow(
   leaves, treedef = array_leaves(value, name)
   if is_eager():
     return value
-  reduction = None if reduce_fn is None else Reduction(reduce_fn, init_fn)
+  reduction, closure = None, ()
+  if reduce_fn is not None:
+    snapshot = None
+    if staging_active():
+      # Fix what reduce_fn/init_fn mean now, as Flax applies them at the
+      # sow (a lambda reading a loop variable sees its current value).
+      snapshot, closure = reductions.take_snapshot(
+          reduce_fn, init_fn, treedef, [_jax.typeof(x) for x in leaves]
+      )
+    reduction = Reduction(reduce_fn, init_fn, snapshot)
   out = bind_sow(
-      leaves, name=name, tag=tag, treedef=treedef, reduction=reduction
+      leaves,
+      name=name,
+      tag=tag,
+      treedef=treedef,
+      reduction=reduction,
+      closure=closure,
   )
   return jax.tree_util.tree_unflatten(treedef, out)

@@ -1,0 +1,271 @@
+# Copyright 2026 The Flax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""Reduced sows: what a site's ``reduce_fn``/``init_fn`` mean, fixed at the sow.
+
+Flax's ``Module.sow`` applies ``reduce_fn`` when the sow runs, so a
+``lambda`` that reads a loop variable, or a value computed just before, sees
+it as it is then. A capture folds much later, after ``f`` has been staged.
+So when a sow is staged, this file traces its ``init_fn()`` and
+``reduce_fn(acc, value)`` into small jaxprs (a :class:`Snapshot`): constants
+they close over are kept in the jaxprs, and traced values they close over
+(intermediates of ``f``) become extra operands of the sow equation, the
+*closure*, which the staged program carries to the capture like any value.
+
+It also owns the accumulator's type: a weakly typed leaf of ``init_fn()``
+(a Python scalar, ``init_fn=lambda: 0``) takes the dtype and shape that
+``reduce_fn(init, value)`` gives it, as weak types promote in ``jnp``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing as tp
+
+import jax
+
+from flax.nnx.sow import _jax
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Snapshot:
+  """``init_fn`` and ``reduce_fn`` of one site, traced when it was sown.
+
+  ``init`` takes the init closure and returns the leaves of ``init_fn()``;
+  ``fold`` takes ``[*fold_closure, *acc_leaves, *value_leaves]`` and returns
+  the new accumulator's leaves.
+  """
+
+  init: _jax.ClosedJaxpr
+  init_treedef: tp.Any
+  n_init_closure: int
+  fold: _jax.ClosedJaxpr
+  acc_treedef: tp.Any
+  acc_avals: tuple[tp.Any, ...]
+  out_treedef: tp.Any
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Reduction:
+  """The ``reduce_fn``/``init_fn`` of one reduced sow site.
+
+  Each site folds its values with its own ``reduce_fn`` (as Flax's
+  ``Module.sow`` does), so two sites of one name may hold different function
+  objects, e.g. lambdas written inline. Compared by identity. ``snapshot``
+  is set for a sow staged inside a capture (see the module docstring).
+  """
+
+  reduce_fn: tp.Callable[[tp.Any, tp.Any], tp.Any]
+  init_fn: tp.Callable[[], tp.Any]
+  snapshot: Snapshot | None = None
+
+
+_jax.weak_cache_key(Reduction)
+
+
+@dataclasses.dataclass(frozen=True)
+class Accumulator:
+  """A reduced name's running value: its structure and leaves."""
+
+  treedef: tp.Any
+  leaves: tuple[tp.Any, ...]
+
+  @property
+  def avals(self):
+    return tuple(_jax.typeof(x) for x in self.leaves)
+
+
+def strong(x: tp.Any) -> tp.Any:
+  """``x`` as an array without a weak type, so loop carries type-check."""
+  x = jax.numpy.asarray(x)
+  return jax.lax.convert_element_type(x, x.dtype) if x.weak_type else x
+
+
+def _trace(fn, in_avals, name):
+  """``(closed jaxpr with concrete constants, traced constants, out box)``.
+
+  Constants of the traced ``fn`` that are tracers become leading inputs of
+  the returned jaxpr (the closure); the others stay its constants.
+  """
+  box = []
+
+  def flat(*args):
+    out = fn(*args)
+    leaves, treedef = jax.tree_util.tree_flatten(out)
+    box.append(treedef)
+    return [jax.numpy.asarray(x) for x in leaves]
+
+  closed = _jax.trace_to_closed_jaxpr(flat, in_avals, name)
+  is_traced = [isinstance(c, jax.core.Tracer) for c in closed.consts]
+  if not any(is_traced):
+    return closed, [], box[-1]
+  open_jaxpr, consts = _jax.close_over_nothing(closed)
+  traced = [c for c, t in zip(consts, is_traced) if t]
+
+  def with_closure(*args):  # [*traced constants, *fn's arguments]
+    it = iter(args[: len(traced)])
+    full = [next(it) if t else c for c, t in zip(consts, is_traced)]
+    return _jax.eval_jaxpr(open_jaxpr, (), *full, *args[len(traced) :])
+
+  closed = _jax.trace_to_closed_jaxpr(
+      with_closure, [_jax.typeof(c) for c in traced] + list(in_avals), name
+  )
+  return closed, traced, box[-1]
+
+
+def take_snapshot(
+    reduce_fn, init_fn, value_treedef, value_avals
+) -> tuple[Snapshot, list[tp.Any]]:
+  """Traces one site's ``init_fn``/``reduce_fn``; returns it and its closure.
+
+  Raises:
+    whatever ``init_fn`` or ``reduce_fn`` raise on these types.
+  """
+  init, init_closure, init_treedef = _trace(init_fn, [], 'init_fn')
+  init_avals = list(init.out_avals)
+  value_avals = list(value_avals)
+
+  def fold_fn(*leaves):
+    k = len(leaves) - len(value_avals)
+    acc = jax.tree_util.tree_unflatten(init_treedef, leaves[:k])
+    value = jax.tree_util.tree_unflatten(value_treedef, leaves[k:])
+    return reduce_fn(acc, value)
+
+  acc_avals = promoted_avals(fold_fn, init_treedef, init_avals, value_avals)
+  fold, fold_closure, out_treedef = _trace(
+      fold_fn, [*acc_avals, *value_avals], 'reduce_fn'
+  )
+  snapshot = Snapshot(
+      init,
+      init_treedef,
+      len(init_closure),
+      fold,
+      init_treedef,
+      tuple(acc_avals),
+      out_treedef,
+  )
+  return snapshot, [*init_closure, *fold_closure]
+
+
+def promoted_avals(fold_fn, treedef, init_avals, value_avals):
+  """The accumulator's avals: weak scalar leaves promoted by ``fold_fn``."""
+  strong_avals = [a.strip_weak_type() for a in init_avals]
+  if not any(a.weak_type for a in init_avals):
+    return strong_avals
+  try:
+    closed = _jax.trace_to_closed_jaxpr(
+        lambda *a: jax.tree_util.tree_leaves(fold_fn(*a)),
+        [*init_avals, *value_avals],
+        'reduce_fn',
+    )
+  except Exception:  # pylint: disable=broad-except
+    return strong_avals  # the fold reports the error where it happens
+  out = closed.out_avals
+  if len(out) != len(init_avals):
+    return strong_avals
+  return [
+      _jax.ShapedArray(t.shape, t.dtype)
+      if a.weak_type and not a.shape
+      else a.strip_weak_type()
+      for a, t in zip(init_avals, out)
+  ]
+
+
+def initial_accumulator(
+    reduction: Reduction, value_treedef, value_avals, closure=()
+) -> Accumulator:
+  """``init_fn()`` as an accumulator for values of the given type.
+
+  Uses the site's snapshot (and the init part of its closure) when it has
+  one; otherwise calls ``init_fn`` now.
+  """
+  snap = reduction.snapshot
+  if snap is not None:
+    leaves = _jax.eval_closed(snap.init, list(closure)[: snap.n_init_closure])
+    treedef = snap.init_treedef
+    avals = snap.acc_avals
+  else:
+    leaves, treedef = jax.tree_util.tree_flatten(reduction.init_fn())
+    leaves = [jax.numpy.asarray(x) for x in leaves]
+
+    def fold_fn(*a):
+      k = len(a) - len(value_avals)
+      return reduction.reduce_fn(
+          jax.tree_util.tree_unflatten(treedef, a[:k]),
+          jax.tree_util.tree_unflatten(value_treedef, a[k:]),
+      )
+
+    avals = promoted_avals(
+        fold_fn, treedef, [_jax.typeof(x) for x in leaves], value_avals
+    )
+  leaves = [
+      jax.numpy.broadcast_to(x.astype(a.dtype), a.shape)
+      if _jax.typeof(x).weak_type and not x.shape
+      else x
+      for x, a in zip(leaves, avals)
+  ]
+  return Accumulator(treedef, tuple(strong(x) for x in leaves))
+
+
+def fold(
+    reduction: Reduction,
+    acc: Accumulator,
+    value_treedef,
+    value_leaves,
+    closure=(),
+):
+  """``reduce_fn(acc, value)`` as ``(leaves, treedef)``.
+
+  With a snapshot whose accumulator type matches ``acc``, the traced
+  ``reduce_fn`` with its closure; otherwise ``reduce_fn`` itself.
+  """
+  snap = reduction.snapshot
+  if (
+      snap is not None
+      and snap.acc_treedef == acc.treedef
+      and all(
+          a.shape == b.shape and a.dtype == b.dtype
+          for a, b in zip(snap.acc_avals, acc.avals)
+      )
+      and len(snap.acc_avals) == len(acc.leaves)
+  ):
+    closure = list(closure)[snap.n_init_closure :]
+    leaves = _jax.eval_closed(snap.fold, [*closure, *acc.leaves, *value_leaves])
+    return leaves, snap.out_treedef
+  new = reduction.reduce_fn(
+      jax.tree_util.tree_unflatten(acc.treedef, acc.leaves),
+      jax.tree_util.tree_unflatten(value_treedef, list(value_leaves)),
+  )
+  leaves, treedef = jax.tree_util.tree_flatten(new)
+  return leaves, treedef
+
+
+def result_structure(reduce_fn, init, value):
+  """The pytree structure of ``reduce_fn(init, value)``, without running it.
+
+  ``None`` if ``reduce_fn`` fails on these types.
+  """
+  box = []
+
+  def fn():
+    out = reduce_fn(init, value)
+    leaves, treedef = jax.tree_util.tree_flatten(out)
+    box.append(treedef)
+    return [jax.numpy.asarray(x) for x in leaves]
+
+  try:
+    _jax.trace_to_closed_jaxpr(fn, [], 'reduce_fn')
+  except Exception:  # pylint: disable=broad-except
+    return None
+  return box[-1]

@@ -733,6 +733,47 @@ class PerSiteReductionTest(parameterized.TestCase):
     np.testing.assert_allclose(state['acc'].get_value(), 12.0)
 
 
+class NnxCaptureInitTest(absltest.TestCase):
+
+  def test_init_state_starts_sows_as_in_flax(self):
+    class M(nnx.Module):
+
+      def __call__(self, x):
+        self.sow(
+            nnx.Intermediate,
+            'total',
+            x,
+            reduce_fn=lambda a, b: a + b,
+            init_fn=lambda: jnp.zeros(2),
+        )
+        self.sow(nnx.Intermediate, 'seen', x)
+        self.sow(
+            nnx.Intermediate,
+            'grown',
+            x,
+            reduce_fn=lambda c, v: (*c, v * 2),
+            init_fn=lambda: (),
+        )
+        return x
+
+    init = nnx.State(
+        {
+            'total': nnx.Intermediate(jnp.full(2, 10.0)),
+            'seen': nnx.Intermediate((jnp.full(2, -1.0),)),
+            'grown': nnx.Intermediate((jnp.full(2, 5.0),)),
+        }
+    )
+    _, state = nnx.capture(M(), nnx.Intermediate, init=init)(jnp.ones(2))
+    np.testing.assert_allclose(state['total'].get_value(), [11.0, 11.0])
+    seen = state['seen'].get_value()
+    self.assertLen(seen, 2)
+    np.testing.assert_allclose(seen[0], [-1.0, -1.0])
+    np.testing.assert_allclose(seen[1], [1.0, 1.0])
+    grown = state['grown'].get_value()
+    self.assertLen(grown, 2)
+    np.testing.assert_allclose(grown[1], [2.0, 2.0])
+
+
 # ----------------------------------------------------------------------------
 # 4. Nothing lost: a branch-only sow under vmap is the error it is without.
 

@@ -252,8 +252,18 @@ def _branch_mismatch(name, branch, what, sources):
     if sites:
       where_ = sites[0].where
       break
+  if len(sources) == 2:
+    # lax.cond(pred, true_fun, false_fun) is a switch on int(pred).
+    label = {
+        0: 'branch 0 (false_fun of lax.cond)',
+        1: 'branch 1 (true_fun of lax.cond)',
+    }
+    what = what.replace('branch 0', label[0])
+    branch = label[branch]
+  else:
+    branch = f'branch {branch}'
   return ValueError(
-      f'sow {name!r}{where_}: inside `lax.cond`/`lax.switch`, branch {branch}'
+      f'sow {name!r}{where_}: inside `lax.cond`/`lax.switch`, {branch}'
       f' {what}.'
       ' Every branch must sow the same plain names, the same number of'
       ' times, with the same shapes and dtypes, since capture returns the'

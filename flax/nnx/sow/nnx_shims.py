@@ -275,7 +275,18 @@ def module_sow(
   state_lib.name_to_path(full)
   scope.record(full, 'sow', variable_type)
   sow = _core_sow
+  init = scope.init.get(full)
+  if init is not None and init[0] is variable_type:
+    # init= holds this sow's starting value (Flax sets the attribute to it
+    # before the call): a tuple of values is put in front of the collected
+    # ones when the State is built; an accumulator starts from it.
+    init_value = init[1]
+    init_fn = lambda: init_value  # pylint: disable=unnecessary-lambda
+    if reduce_fn is _TUPLE_REDUCE:
+      scope.prefixed.add(full)
   if reduce_fn is _TUPLE_REDUCE and init_fn is _TUPLE_INIT:
+    sow(value, name=full, tag=variable_type)
+  elif reduce_fn is _TUPLE_REDUCE:
     sow(value, name=full, tag=variable_type)
   elif _grows(reduce_fn, init_fn, value):
     # A growing accumulator: collect every value, and fold reduce_fn over
@@ -451,7 +462,7 @@ def _sum_entries(entries):
     return entries
 
 
-def _build_state(scope: Scope, collected, variable_type):
+def _build_state(scope: Scope, collected, variable_type, init_entries):
   flat: dict[Path, tp.Any] = {}
   for full, (kind, vt) in scope.records.items():
     if vt is not variable_type:
@@ -460,9 +471,13 @@ def _build_state(scope: Scope, collected, variable_type):
       if full not in collected:
         continue
       value = collected[full]
+      init = init_entries.get(full)
+      if full in scope.prefixed and init is not None:
+        value = (*init[1], *value)
       if full in scope.folds:
         reduce_fn, init_fn = scope.folds[full]
-        value = functools.reduce(reduce_fn, value, init_fn())
+        start = init[1] if init is not None and init[0] is vt else init_fn()
+        value = functools.reduce(reduce_fn, value, start)
     elif kind == 'perturb' and full in collected:
       value = _sum_entries(collected[full])
     else:  # 'perturb' without a cotangent, or 'perturb_init'
@@ -605,7 +620,9 @@ def capture(
       return result
     # One State per requested type, by exact type (a subclass of a requested
     # type is returned only when it is requested itself).
-    states = [_build_state(scope, collected, vt) for vt in var_types]
+    states = [
+        _build_state(scope, collected, vt, init_entries) for vt in var_types
+    ]
     return (result, *states)
 
   if not isinstance(fn, nnx.Module):

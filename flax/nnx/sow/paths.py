@@ -121,6 +121,8 @@ class Scope:
     self.records: dict[Path, tuple[str, type]] = {}
     # Growing reductions, folded when the State is built (nnx_shims.py).
     self.folds: dict[Path, tuple[tp.Callable, tp.Callable]] = {}
+    # Plain Module.sow paths whose init= tuple goes before the values.
+    self.prefixed: set[Path] = set()
     # id -> (object, path). The objects are held, so ids stay unique.
     self.nodes: dict[int, tuple[tp.Any, Path]] = {}
     self.merged: dict[int, tuple[tp.Any, Path]] = {}

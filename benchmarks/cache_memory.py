@@ -35,7 +35,6 @@ import jax
 import jax.numpy as jnp
 
 from flax.nnx.sow import capture
-from flax.nnx.sow import invariance
 from flax.nnx.sow import sow
 
 # The module, not the function that flax.nnx.sow exports under its name.
@@ -116,8 +115,6 @@ def main():
       len(capture_lib._sites_cache),  # pylint: disable=protected-access
       'rewrites',
       len(capture_lib._rewrite_cache),  # pylint: disable=protected-access
-      'anchored bodies',
-      len(invariance._cache),  # pylint: disable=protected-access
   )
 
 

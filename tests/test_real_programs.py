@@ -1045,6 +1045,40 @@ class FreedAfterCallTest(absltest.TestCase):
     self.assertEqual([r() for r in refs], [None] * 4)
 
 
+class CacheBoundTest(absltest.TestCase):
+
+  def test_rewrite_cache_does_not_keep_jitted_captures_alive(self):
+    import gc  # pylint: disable=g-import-not-at-top
+    import sys  # pylint: disable=g-import-not-at-top
+
+    capture_lib = sys.modules['flax.nnx.sow.capture']
+
+    def make(i):
+      def scanned(x):
+        def body(c, v):
+          sow(
+              c * v,
+              name='s',
+              reduce_fn=lambda a, b: a + jnp.sum(b),
+              init_fn=lambda: 0.0,
+          )
+          sow(jnp.sum(x), name='inv')
+          return c + v * i, None
+
+        return jax.lax.scan(body, x, jnp.ones((3, 4)))[0]
+
+      return scanned
+
+    gc.collect()
+    before = len(capture_lib._rewrite_cache)  # pylint: disable=protected-access
+    for i in range(5):
+      _, collected = jax.jit(capture(make(i)))(jnp.ones(4))
+      np.testing.assert_allclose(collected['inv'][0], [4.0] * 3)
+    gc.collect()
+    after = len(capture_lib._rewrite_cache)  # pylint: disable=protected-access
+    self.assertLessEqual(after, before)
+
+
 class ReduceClosureFreedTest(parameterized.TestCase):
 
   @parameterized.parameters('scan', 'while', 'cond', 'jit', 'checkpoint')

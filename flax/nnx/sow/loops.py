@@ -72,9 +72,10 @@ def _hoisted(closed: _jax.ClosedJaxpr):
   operands, as ``lax.scan`` does with closures, they do not.
   """
 
+  if not closed.consts:
+    return closed, []  # (not cached: the entry would keep its key alive)
+
   def build():
-    if not closed.consts:
-      return closed, []
     open_jaxpr, consts = _jax.close_over_nothing(closed)
     return _jax.ClosedJaxpr(open_jaxpr, ()), consts
 

@@ -963,6 +963,26 @@ class NestedCustomRuleTest(absltest.TestCase):
     ):
       capture(jax.grad(loss, has_aux=True))(jnp.float32(1.0))
 
+  def test_sows_the_inner_capture_leaves_reach_the_outer_once(self):
+    @jax.custom_vjp
+    def h(x):
+      sow(x * 2.0, name='a')  # not taken by the inner capture
+      sow(x * 3.0, name='b', tag='t1')  # taken by the inner capture
+      return jnp.sin(x)
+
+    h.defvjp(lambda x: (h(x), x), lambda x, ct: (jnp.cos(x) * ct,))
+
+    def loss(x):
+      return capture(h, tags=('t1',))(x)
+
+    (g, inner), outer = capture(jax.grad(loss, has_aux=True))(jnp.float32(1.0))
+    np.testing.assert_allclose(g, np.cos(1.0), rtol=1e-6)
+    self.assertEqual(list(inner), ['b'])
+    np.testing.assert_allclose(inner['b'][0], 3.0)
+    self.assertEqual(list(outer), ['a'])
+    self.assertLen(outer['a'], 1)
+    np.testing.assert_allclose(outer['a'][0], 2.0)
+
   def test_custom_vjp_forward_runs_primal_again(self):
     @jax.custom_vjp
     def h(x):

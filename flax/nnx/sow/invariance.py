@@ -111,6 +111,14 @@ def _holds_staged_sow(jaxpr: _jax.Jaxpr) -> bool:
 # become remat copies (collected nowhere), as ``sow_p``'s own rule does.
 
 
+def without_staged_sows(closed: _jax.ClosedJaxpr) -> _jax.ClosedJaxpr:
+  """``closed`` with every staged sow a remat copy (an identity no capture
+  collects), for a second evaluation whose sows already ran once."""
+  if not _holds_staged_sow(closed.jaxpr):
+    return closed
+  return _jax.ClosedJaxpr(_as_remat_copies(closed.jaxpr), closed.consts)
+
+
 def _as_remat_copies(jaxpr: _jax.Jaxpr) -> _jax.Jaxpr:
   eqns = [_remat_copy_eqn(eqn) for eqn in jaxpr.eqns]
   return _jax.edit_jaxpr(jaxpr, eqns, jaxpr.outvars)

@@ -31,6 +31,7 @@ from flax.nnx.sow.capture import is_array
 from flax.nnx.sow.capture import collect_rules
 from flax.nnx.sow.capture import construct_names
 from flax.nnx.sow.capture import eval_collecting
+from flax.nnx.sow.invariance import without_staged_sows
 
 
 def _split(outs, n):
@@ -178,7 +179,9 @@ def _custom_jvp_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
         'custom_jvp rule',
     )
     out_primals, out_tangents = _split(out, n_out)
-    extra = _jax.eval_closed(new_jaxpr, primals)
+    # The rule ran the body's remaining sows (those this capture does not
+    # take); the extra outputs are computed without running them again.
+    extra = _jax.eval_closed(without_staged_sows(new_jaxpr), primals)
     extra = extra[n_out:]
     zeros = [_jax.zeros_like_tangent(x) for x in extra]
     return [*out_primals, *extra, *out_tangents, *zeros]
@@ -222,7 +225,7 @@ def _custom_vjp_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
         collector, layout, orig_fwd, args[2 * n_acc :], 'custom_vjp forward'
     )
     primals = args[::2]
-    extra = _jax.eval_closed(new_jaxpr, primals)
+    extra = _jax.eval_closed(without_staged_sows(new_jaxpr), primals)
     return [*res_and_outs, *extra[n_out:]]
 
   def bwd(*args):

@@ -401,9 +401,14 @@ def sow(
       sows whose tag it lists.
     reduce_fn: ``reduce_fn(acc, value) -> acc``. With ``init_fn``, the
       capture keeps one accumulator per name, updated in the staged program
-      (also inside ``while_loop``), instead of a tuple of values. The
-      accumulator must keep its shape and dtype.
-    init_fn: ``init_fn() -> acc``, the accumulator before the first sow.
+      (also inside ``while_loop``), instead of a tuple of values. Each site
+      folds with its own ``reduce_fn``, traced when the sow runs (as Flax
+      applies it then), so inline lambdas that read loop variables or
+      values computed just before work. The accumulator must keep its
+      structure, shape and dtype.
+    init_fn: ``init_fn() -> acc``, the accumulator before the first sow; the
+      first site of the name in program order provides it. A Python scalar
+      takes the dtype and shape ``reduce_fn`` gives it.
 
   Returns:
     ``value``, unchanged.

@@ -616,6 +616,19 @@ class PerSiteReductionTest(parameterized.TestCase):
     self.assertEqual(collected['s'].dtype, jnp.float32)
     np.testing.assert_allclose(collected['s'], [2.0, 4.0])
 
+  def test_error_inside_reduce_fn_names_the_sow(self):
+    def f(x):
+      return sow(
+          x,
+          name='bad_fold',
+          reduce_fn=lambda a, v: a @ v,
+          init_fn=lambda: jnp.zeros(2),
+      )
+
+    with self.assertRaises(TypeError) as cm:
+      capture(f)(jnp.ones(3))
+    self.assertIn("sow 'bad_fold'", ' '.join(cm.exception.__notes__))
+
   def test_real_type_change_still_raises(self):
     def f(x):
       return sow(

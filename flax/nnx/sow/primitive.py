@@ -435,9 +435,16 @@ def sow(
     if staging_active():
       # Fix what reduce_fn/init_fn mean now, as Flax applies them at the
       # sow (a lambda reading a loop variable sees its current value).
-      snapshot, closure = reductions.take_snapshot(
-          reduce_fn, init_fn, treedef, [_jax.typeof(x) for x in leaves]
-      )
+      try:
+        snapshot, closure = reductions.take_snapshot(
+            reduce_fn, init_fn, treedef, [_jax.typeof(x) for x in leaves]
+        )
+      except Exception as e:
+        e.add_note(
+            f'(raised by the reduce_fn or init_fn of sow {name!r}, applied to'
+            ' the sown value and the accumulator)'
+        )
+        raise
     reduction = Reduction(reduce_fn, init_fn, snapshot)
   out = bind_sow(
       leaves,

@@ -400,6 +400,34 @@ class InvarianceTest(parameterized.TestCase):
     np.testing.assert_allclose(collected['w2'][0], [3.0] * 4)
     np.testing.assert_allclose(collected['r'], 12.0)
 
+  @parameterized.parameters(
+      None,
+      jax.checkpoint_policies.dots_saveable,
+      jax.checkpoint_policies.nothing_saveable,
+  )
+  def test_checkpoint_in_scan_body_under_grad_of_checkpoint(self, policy):
+    def f(x):
+      def body(c, _):
+        def inner(c):
+          sow(jnp.float32(2.0), name='const')
+          sow(
+              jnp.float32(1.0),
+              name='n',
+              reduce_fn=lambda a, b: a + b,
+              init_fn=lambda: 0.0,
+          )
+          return jnp.sin(c)
+
+        return jax.checkpoint(inner, policy=policy)(c), None
+
+      return jnp.sum(jax.lax.scan(body, x, None, length=2, reverse=True)[0])
+
+    x = jnp.array([0.5, 1.0])
+    grad, collected = capture(jax.grad(jax.checkpoint(f, policy=policy)))(x)
+    np.testing.assert_allclose(collected['const'][0], [2.0, 2.0])
+    np.testing.assert_allclose(collected['n'], 2.0)
+    np.testing.assert_allclose(grad, np.cos(np.sin(x)) * np.cos(x), rtol=1e-5)
+
   @parameterized.parameters('plain', 'grad', 'linearize', 'vjp')
   def test_nested_scans_invariant_in_both(self, transform):
     def f(w):

@@ -264,3 +264,19 @@ def wrap_scan_hoisting(wrapper: tp.Callable) -> None:
   wrapped = wrapper(loops._scan_known_hoisting)
   wrapped._sow_wrapped = True  # pylint: disable=protected-access
   loops._scan_known_hoisting = wrapped
+
+
+def wrap_partial_eval_nounits(wrapper: tp.Callable) -> None:
+  """``pe.partial_eval_jaxpr_nounits`` becomes ``wrapper(original, ...)``.
+
+  Callers in JAX look it up on the module at each call. Idempotent.
+  """
+  original = pe.partial_eval_jaxpr_nounits
+  if getattr(original, '_sow_wrapped', False):
+    return
+
+  def wrapped(*args, **kwargs):
+    return wrapper(original, *args, **kwargs)
+
+  wrapped._sow_wrapped = True  # pylint: disable=protected-access
+  pe.partial_eval_jaxpr_nounits = wrapped

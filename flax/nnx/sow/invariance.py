@@ -82,12 +82,52 @@ def _sow_partial_eval(trace, *tracers, **params):
   return trace.default_process_primitive(sow_p, tracers, params)
 
 
+class _ScanRemat(threading.local):
+  depth = 0
+
+
+_SCAN_REMAT = _ScanRemat()
+
+
+def _in_scan_remat_rule(rule, *args, **kwargs):
+  """``scan``'s ``checkpoint`` rule, whose hoisting step is watched below."""
+  _SCAN_REMAT.depth += 1
+  try:
+    return rule(*args, **kwargs)
+  finally:
+    _SCAN_REMAT.depth -= 1
+
+
+def _partial_eval_nounits(function, *args, **kwargs):
+  # Inside scan's checkpoint rule, this is its loop-invariant hoisting.
+  if _SCAN_REMAT.depth and not _HOISTING.depth:
+    return _keeping_sows_in_loops(function)(*args, **kwargs)
+  return function(*args, **kwargs)
+
+
+def _sow_partial_eval_custom(rule, saveable, unks_in, inst_in, eqn):
+  # A ``checkpoint`` (remat) nested in a loop body that is being hoisted:
+  # a known sow goes to the part that stays in the loop.
+  p = eqn.params
+  if _HOISTING.depth and p['effect'] and not p['remat_copy']:
+    n = len(eqn.outvars)
+    res = [
+        v
+        for v, inst in zip(eqn.invars, inst_in)
+        if isinstance(v, _jax.Var) and not inst
+    ]
+    return None, eqn, [True] * n, [True] * n, res
+  return rule(saveable, unks_in, inst_in, eqn)
+
+
 _jax.custom_partial_eval_rules[sow_p] = _sow_partial_eval
 _jax.wrap_scan_hoisting(_keeping_sows_in_loops)
 _jax.wrap_rule(
-    _jax.partial_eval_jaxpr_custom_rules,
-    _jax.scan_p,
-    lambda rule, *args, **kwargs: _keeping_sows_in_loops(rule)(*args, **kwargs),
+    _jax.partial_eval_jaxpr_custom_rules, _jax.scan_p, _in_scan_remat_rule
+)
+_jax.wrap_partial_eval_nounits(_partial_eval_nounits)
+_jax.wrap_rule(
+    _jax.partial_eval_jaxpr_custom_rules, sow_p, _sow_partial_eval_custom
 )
 
 

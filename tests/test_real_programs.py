@@ -428,6 +428,25 @@ class InvarianceTest(parameterized.TestCase):
     np.testing.assert_allclose(collected['n'], 2.0)
     np.testing.assert_allclose(grad, np.cos(np.sin(x)) * np.cos(x), rtol=1e-5)
 
+  def test_invariant_reduced_sow_whose_reduce_fn_closes_over_a_value(self):
+    def loss(w, xs):
+      def body(c, x):
+        scale = w * 3.0  # loop-invariant, read by reduce_fn
+        sow(
+            w,
+            name='r',
+            reduce_fn=lambda a, v: a + v * scale,
+            init_fn=lambda: 0.0,
+        )
+        return c * jnp.tanh(w * x), None
+
+      return jnp.sum(jax.lax.scan(body, jnp.ones(2), xs)[0])
+
+    xs = jnp.arange(3.0)
+    for fn in (loss, jax.grad(loss), jax.grad(jax.checkpoint(loss))):
+      _, collected = capture(fn)(0.5, xs)
+      np.testing.assert_allclose(collected['r'], 3 * 0.5 * 1.5)
+
   @parameterized.parameters('plain', 'grad', 'linearize', 'vjp')
   def test_nested_scans_invariant_in_both(self, transform):
     def f(w):

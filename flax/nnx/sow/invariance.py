@@ -78,7 +78,7 @@ def _sow_partial_eval(trace, *tracers, **params):
     trace.default_process_primitive(
         sow_p, [trace.instantiate_const(t) for t in tracers], params
     )
-    return list(tracers)
+    return list(tracers[: len(tracers) - params['n_closure']])
   return trace.default_process_primitive(sow_p, tracers, params)
 
 

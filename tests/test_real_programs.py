@@ -774,6 +774,21 @@ class PerSiteReductionTest(parameterized.TestCase):
     self.assertEqual(int(collected['count']), 2 * 1 + 2 * 10)
     np.testing.assert_allclose(collected['y'][0], out)
 
+  def test_batched_branch_reduce_fn_closing_over_intermediate(self):
+    def per_example(x):
+      def hot(x):
+        w = x * 10.0  # an intermediate of the branch, read by reduce_fn
+        sow(x, name='s', reduce_fn=lambda a, v: a + v * w, init_fn=lambda: 0.0)
+        return x
+
+      return jax.lax.cond(x > 0, hot, lambda x: -x, x)
+
+    xs = jnp.array([1.0, -2.0, 3.0])
+    for g in (jax.vmap(per_example), jax.jit(jax.vmap(per_example))):
+      out, collected = capture(g)(xs)
+      np.testing.assert_allclose(out, [1.0, 2.0, 3.0])
+      np.testing.assert_allclose(collected['s'], 10.0 * (1 + 9))
+
   def test_module_sow_lambda_closing_over_loop_variable(self):
     class M(nnx.Module):
 

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 
 from flax.nnx.sow import _jax
 from flax.nnx.sow import loops
+from flax.nnx.sow import reductions
 from flax.nnx.sow.capture import Layout
 from flax.nnx.sow.capture import PLAIN_SOWS
 from flax.nnx.sow.capture import accepts
@@ -291,17 +292,24 @@ def _sow_reduced_again(sites, index, values, dims, axis_size) -> None:
       mask = jnp.broadcast_to(
           mask.reshape((axis_size,) + (1,) * (len(shape) - 1)), shape
       )
-    value = jax.tree_util.tree_unflatten(p['treedef'], leaves)
+    n_value = len(leaves) - p['n_closure']
+    value = jax.tree_util.tree_unflatten(p['treedef'], leaves[:n_value])
     packed, treedef = jax.tree_util.tree_flatten((value, mask))
     original = p['reduction']
+    snapshot = original.snapshot
+    if snapshot is not None:
+      snapshot = reductions.masked(snapshot, n_value)
     bind_sow(
         packed,
         name=p['name'],
         tag=p['tag'],
         treedef=treedef,
-        reduction=Reduction(_masked(original.reduce_fn), original.init_fn),
+        reduction=Reduction(
+            _masked(original.reduce_fn), original.init_fn, snapshot
+        ),
         kind=p['kind'],
         batch_dims=batch_dims,
+        closure=leaves[n_value:],
     )
 
 

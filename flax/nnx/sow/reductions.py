@@ -269,3 +269,25 @@ def result_structure(reduce_fn, init, value):
   except Exception:  # pylint: disable=broad-except
     return None
   return box[-1]
+
+
+def masked(snapshot: Snapshot, n_value: int) -> Snapshot:
+  """``snapshot`` whose fold takes one more value leaf, a boolean mask, and
+  leaves the accumulator unchanged where it is false (``batching.py``)."""
+  fold = snapshot.fold
+  n_acc = len(snapshot.acc_avals)
+  n_closure = len(fold.in_avals) - n_acc - n_value
+
+  def fn(*args):
+    mask = args[-1]
+    acc = args[n_closure : n_closure + n_acc]
+    new = _jax.eval_closed(fold, args[:-1])
+    return [jax.numpy.where(mask, x, a) for x, a in zip(new, acc)]
+
+  mask_aval = _jax.ShapedArray((), jax.numpy.dtype('bool'))
+  return dataclasses.replace(
+      snapshot,
+      fold=_jax.trace_to_closed_jaxpr(
+          fn, [*fold.in_avals, mask_aval], 'masked_reduce_fn'
+      ),
+  )

@@ -774,6 +774,39 @@ class PerSiteReductionTest(parameterized.TestCase):
     self.assertEqual(int(collected['count']), 2 * 1 + 2 * 10)
     np.testing.assert_allclose(collected['y'][0], out)
 
+  def test_batched_branch_names_in_order_with_tags(self):
+    def per_example(x):
+      def first(x):
+        sow(x, name='max', reduce_fn=jnp.maximum, init_fn=lambda: -jnp.inf)
+        return x
+
+      def second(x):
+        sow(
+            x,
+            name='max',
+            tag='t1',
+            reduce_fn=jnp.maximum,
+            init_fn=lambda: -jnp.inf,
+        )
+        sow(
+            x,
+            name='sum',
+            tag='t1',
+            reduce_fn=lambda a, v: a + v,
+            init_fn=lambda: 0.0,
+        )
+        return x
+
+      return jax.lax.switch(
+          (x > 0).astype(jnp.int32) + 1, (lambda x: x, first, second), x
+      )
+
+    xs = jnp.array([1.0, -2.0, 3.0])
+    _, collected = capture(jax.vmap(per_example), tags=('t1',))(xs)
+    self.assertEqual(list(collected), ['max', 'sum'])
+    np.testing.assert_allclose(collected['max'], 3.0)
+    np.testing.assert_allclose(collected['sum'], 4.0)
+
   def test_batched_branch_reduce_fn_closing_over_intermediate(self):
     def per_example(x):
       def hot(x):

@@ -81,8 +81,10 @@ def _sow_again(layout: Layout, values, dims, axis_size) -> None:
 def _mark_order(sites) -> None:
   seen = set()
   for site in sites:
-    if site.name not in seen:
-      seen.add(site.name)
+    # One marker per (name, tag): a capture that takes only some tags must
+    # still see where each of its names is first sown.
+    if (site.name, site.tag) not in seen:
+      seen.add((site.name, site.tag))
       bind_sow(
           [],
           name=site.name,

@@ -995,20 +995,18 @@ class NamesAndErrorsTest(absltest.TestCase):
       capture(f)(jnp.zeros((3,)))
 
   def test_no_rule_names_file_and_line(self):
-    mesh = jax.make_mesh((1,), ('d',))
+    def f(b):
+      return jax.lax.custom_linear_solve(
+          lambda v: sow(v, name='matvec') * 2.0,  # LINE-SOLVE
+          b,
+          solve=lambda matvec, b: b / 2.0,
+      )
 
-    def f(x):
-      return jax.shard_map(
-          lambda v: sow(v, name='sharded'),  # LINE-SHARD
-          mesh=mesh,
-          in_specs=jax.P(),
-          out_specs=jax.P(),
-      )(x)
-
-    line = _line_of('# LINE-SHARD')
+    line = _line_of('# LINE-SOLVE')
     with self.assertRaisesRegex(
         NotImplementedError,
-        rf"sow 'sharded' \(at .*test_real_programs.py:{line}",
+        rf"sow 'matvec' \(at .*test_real_programs.py:{line}.*"
+        r'custom_linear_solve',
     ):
       capture(f)(jnp.ones(2))
 

@@ -28,6 +28,7 @@ from flax.nnx.sow import invariance as _invariance  # loop-invariant sows
 from flax.nnx.sow import loops as _loops  # registers the loop rules
 from flax.nnx.sow import nnx_shims
 from flax.nnx.sow import rules as _rules  # registers the call-like rules
+from flax.nnx.sow import sharding as _sharding  # shard_map and pmap
 from flax.nnx.sow import state
 from flax.nnx.sow.capture import Collected
 from flax.nnx.sow.capture import capture
@@ -55,4 +56,4 @@ __all__ = [
     'state_to_collected',
 ]
 
-del _batching, _invariance, _loops, _rules
+del _batching, _invariance, _loops, _rules, _sharding

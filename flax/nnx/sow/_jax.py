@@ -31,7 +31,10 @@ from jax._src import core
 from jax._src import custom_derivatives
 from jax._src import effects
 from jax._src import linear_util as lu
+from jax._src import config as jax_config
+from jax._src import mesh as mesh_lib
 from jax._src import pjit
+from jax._src import shard_map as shard_map_lib
 from jax._src import source_info_util
 from jax._src import util as jax_util
 from jax._src.interpreters import ad
@@ -59,6 +62,8 @@ custom_jvp_call_p = custom_derivatives.custom_jvp_call_p
 custom_vjp_call_p = custom_derivatives.custom_vjp_call_p
 scan_p = lax_control_flow.scan_p
 while_p = lax_control_flow.while_p
+shard_map_p = shard_map_lib.shard_map_p
+shard_aval = core.shard_aval
 cond_p = lax_control_flow.cond_p
 
 typeof = core.typeof
@@ -178,6 +183,35 @@ def eval_closed(closed: ClosedJaxpr, args: tp.Sequence[tp.Any]) -> list:
   return [as_value(x) for x in eval_jaxpr(closed.jaxpr, closed.consts, *args)]
 
 
+def eval_fold(closed: ClosedJaxpr, args: tp.Sequence[tp.Any]) -> list:
+  """:func:`eval_closed` for a ``reduce_fn`` traced at one site.
+
+  Inside ``shard_map`` the jaxpr may ``pvary`` the accumulator to the axes
+  the value varies over; an accumulator kept per shard already varies over
+  them, so such a ``pvary`` only adds the axes it does not vary over yet.
+  """
+  env: dict[Var, tp.Any] = {}
+
+  def read(v):
+    return v.val if isinstance(v, Literal) else env[v]
+
+  jaxpr = closed.jaxpr
+  env.update(zip(jaxpr.constvars, closed.consts))
+  env.update(zip(jaxpr.invars, args))
+  for eqn in jaxpr.eqns:
+    invals = [read(v) for v in eqn.invars]
+    if eqn.primitive is core.pvary_p:
+      (x,) = invals
+      axes = tuple(
+          a for a in eqn.params['axes'] if a not in varying_axes(typeof(x))
+      )
+      outs = [core.pvary_p.bind(x, axes=axes) if axes else x]
+    else:
+      outs = bind_equation(eqn, invals)
+    env.update(zip(eqn.outvars, outs))
+  return [as_value(read(v)) for v in jaxpr.outvars]
+
+
 def eval_into_current_trace(
     jaxpr: Jaxpr, consts: tp.Sequence[tp.Any], args: tp.Sequence[tp.Any]
 ) -> list[tp.Any]:
@@ -280,3 +314,52 @@ def wrap_partial_eval_nounits(wrapper: tp.Callable) -> None:
 
   wrapped._sow_wrapped = True  # pylint: disable=protected-access
   pe.partial_eval_jaxpr_nounits = wrapped
+
+
+def shard_map_context(mesh, manual_axes: frozenset, check_vma: bool):
+  """What tracing a ``shard_map`` body runs under (as JAX stages one).
+
+  The axis environment of the manual axes, the manual abstract mesh and the
+  ``check_vma`` setting.
+  """
+  stack = contextlib.ExitStack()
+  all_manual = manual_axes | set(mesh.manual_axes)
+  stack.enter_context(
+      core.extend_axis_env_nd(
+          [(k, v) for k, v in mesh.shape.items() if k in all_manual]
+      )
+  )
+  stack.enter_context(
+      mesh_lib.use_abstract_mesh(
+          mesh.abstract_mesh.update_axis_types(
+              {n: mesh_lib.AxisType.Manual for n in manual_axes}
+          )
+      )
+  )
+  stack.enter_context(jax_config._check_vma(check_vma))  # pylint: disable=protected-access
+  return stack
+
+
+def replicated_spec(aval) -> tp.Any:
+  """The ``in_specs`` entry ``shard_map`` gives a constant of its body."""
+  return shard_map_lib._repspec(aval)  # pylint: disable=protected-access
+
+
+def varying_axes(aval) -> frozenset:
+  """The manual mesh axes a value inside ``shard_map`` varies over."""
+  mat = getattr(aval, 'mat', None)
+  return frozenset(mat.varying) if mat is not None else frozenset()
+
+
+def wrap_batch_shard_map(wrapper: tp.Callable) -> None:
+  """``BatchTrace.process_shard_map`` (how ``vmap`` batches a ``shard_map``)
+  becomes ``wrapper(original, trace, *args, **params)``. Idempotent."""
+  original = batching.BatchTrace.process_shard_map
+  if getattr(original, '_sow_wrapped', False):
+    return
+
+  def wrapped(trace, *args, **kwargs):
+    return wrapper(original, trace, *args, **kwargs)
+
+  wrapped._sow_wrapped = True  # pylint: disable=protected-access
+  batching.BatchTrace.process_shard_map = wrapped

@@ -65,6 +65,15 @@ sows in its sub-jaxprs reach ``collector`` (via :meth:`Collector.rewrite` and
 construct_names: dict[_jax.Primitive, str] = {}
 """How errors name a primitive's construct (``'lax.scan'`` for ``scan``)."""
 
+site_annotations: dict[
+    _jax.Primitive, tp.Callable[[_jax.JaxprEqn, 'SowSite'], 'SowSite']
+] = {}
+"""How a primitive changes what the sows in its sub-jaxprs give the caller.
+
+``annotate(eqn, site) -> site``; ``shard_map`` records the mesh axes its
+sows gain (``sharding.py``).
+"""
+
 
 # ----------------------------------------------------------------------------
 # Static analysis: which sows does a jaxpr hold?
@@ -80,6 +89,8 @@ class SowSite:
   kind: str = 'value'
   # Where the sow was called, and what it sows (one example's avals).
   eqn: _jax.JaxprEqn | None = dataclasses.field(default=None, compare=False)
+  # The mesh axes of an enclosing ``shard_map`` the value varies over.
+  sharded: ShardAxes | None = None
 
   @property
   def where(self) -> str:
@@ -118,8 +129,10 @@ def sow_sites(jaxpr: _jax.Jaxpr) -> tuple[SowSite, ...]:
             SowSite(p['name'], p['tag'], p['reduction'], p['kind'], eqn)
         )
     else:
+      annotate = site_annotations.get(eqn.primitive)
       for sub in _jax.jaxprs_in_params(eqn.params):
-        sites.extend(sow_sites(sub))
+        for site in sow_sites(sub):
+          sites.append(site if annotate is None else annotate(eqn, site))
   result = tuple(sites)
   with _sites_lock:
     _sites_cache[jaxpr] = result
@@ -135,12 +148,42 @@ def as_jaxpr(j: _jax.Jaxpr | _jax.ClosedJaxpr) -> _jax.Jaxpr:
 
 
 @dataclasses.dataclass(frozen=True)
+class ShardAxes:
+  """The mesh axes that a value sown inside ``shard_map`` varies over.
+
+  Outside the ``shard_map`` such a value, or the accumulator of such a
+  reduced name, carries one leading axis per axis in :attr:`axes`, of the
+  sizes in :attr:`shape` (``sharding.py``).
+  """
+
+  mesh_shape: tuple[tuple[str, int], ...]  # the mesh's axes, in mesh order
+  names: frozenset[str]
+
+  @property
+  def axes(self) -> tuple[str, ...]:
+    return tuple(a for a, _ in self.mesh_shape if a in self.names)
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return tuple(n for a, n in self.mesh_shape if a in self.names)
+
+  def union(self, other: ShardAxes) -> ShardAxes | None:
+    """Both sets of axes, or ``None`` if the meshes differ."""
+    if other.mesh_shape != self.mesh_shape:
+      return None
+    return ShardAxes(self.mesh_shape, self.names | other.names)
+
+
+@dataclasses.dataclass(frozen=True)
 class ReducedSpec:
   """What a rewritten sub-jaxpr takes and returns for one reduced name."""
 
   name: Name
   treedef: tp.Any
   avals: tuple[tp.Any, ...]
+  # Set when the name is sown inside a ``shard_map``: one accumulator per
+  # shard, with these leading axes.
+  sharded: ShardAxes | None = None
 
 
 class EntrySpec(tp.NamedTuple):
@@ -178,6 +221,17 @@ class Layout:
   @property
   def num_extra(self) -> int:
     return self.num_entry_leaves + self.num_accumulator_leaves
+
+
+def _sharded_error(name, where_=''):
+  return ValueError(
+      f'sow {name!r}{where_}: this reduced name is sown inside a'
+      ' `jax.shard_map` (or `jax.pmap`) and also outside it, or inside'
+      ' shard_maps whose values vary over different mesh axes. Inside a'
+      ' shard_map each shard keeps its own accumulator, which cannot be'
+      ' folded together with values from elsewhere; give the sites'
+      ' different names and combine the results yourself.'
+  )
 
 
 def _reduction_error(name, where_=''):
@@ -223,6 +277,9 @@ class Collector:
     self.accumulators: dict[Name, Accumulator] = {}
     self.names: dict[Name, None] = {}
     self.plain_names: set[Name] = set()
+    # Reduced names kept per shard of a ``shard_map`` (their accumulators
+    # have the leading mesh axes of ``ShardAxes``).
+    self.sharded: dict[Name, ShardAxes] = {}
 
   # -- which sows this capture takes --------------------------------------
 
@@ -274,18 +331,31 @@ class Collector:
       value,
       where_: str = '',
       closure=(),
+      sharded: ShardAxes | None = None,
   ) -> Accumulator:
     """The accumulator of ``name``, created from ``init_fn()`` if new.
 
     ``value`` is ``(treedef, avals)`` of one sown value; ``closure`` the
-    site's closure operands (``reductions.py``).
+    site's closure operands (``reductions.py``). ``sharded``: the site is
+    inside a ``shard_map``, so the accumulator has one copy per shard.
     """
     acc = self.accumulators.get(name)
     if acc is None:
       if name in self.plain_names:
         raise _reduction_error(name, where_)
       acc = reductions.initial_accumulator(reduction, *value, closure)
+      if sharded is not None:
+        acc = Accumulator(
+            acc.treedef,
+            tuple(
+                jax.numpy.broadcast_to(x, (*sharded.shape, *x.shape))
+                for x in acc.leaves
+            ),
+        )
+        self.sharded[name] = sharded
       self.accumulators[name] = acc
+    elif self.sharded.get(name) != sharded:
+      raise _sharded_error(name, where_)
     return acc
 
   def reduce(
@@ -389,10 +459,35 @@ class Collector:
     A name not yet reduced in this scope starts from the ``init_fn()`` of
     its first site in ``jaxprs``.
     """
+    return self.reduced_specs_of(self.accepted_sites(jaxprs))
+
+  def reduced_specs_of(
+      self, sites: tp.Sequence[SowSite]
+  ) -> tuple[ReducedSpec, ...]:
+    """:meth:`reduced_specs` for sites found by the caller."""
+    sites = [s for s in sites if s.kind not in MARKER_KINDS]
+    # A name sown inside a shard_map is kept per shard over the union of
+    # the axes its sites vary over.
+    sharded: dict[Name, ShardAxes | None] = {}
+    for site in sites:
+      if site.reduction is None:
+        continue
+      if site.name not in sharded:
+        sharded[site.name] = site.sharded
+        continue
+      seen = sharded[site.name]
+      both = (
+          None
+          if seen is None or site.sharded is None
+          else seen.union(site.sharded)
+      )
+      if (seen is None) != (site.sharded is None) or (
+          seen is not None and both is None
+      ):
+        raise _sharded_error(site.name, site.where)
+      sharded[site.name] = both
     specs: dict[Name, ReducedSpec] = {}
-    for site in self.accepted_sites(jaxprs):
-      if site.kind in MARKER_KINDS:
-        continue  # says where a name is first sown; holds no value
+    for site in sites:
       if site.reduction is None:
         if site.name in self.accumulators:
           raise _reduction_error(site.name, site.where)
@@ -416,8 +511,11 @@ class Collector:
           site.reduction,
           (site.eqn.params['treedef'], site.value_avals()),
           site.where,
+          sharded=sharded[site.name],
       )
-      specs[site.name] = ReducedSpec(site.name, acc.treedef, acc.avals)
+      specs[site.name] = ReducedSpec(
+          site.name, acc.treedef, acc.avals, self.sharded.get(site.name)
+      )
     return tuple(specs.values())
 
   def prepare(
@@ -485,6 +583,7 @@ class Collector:
             s.name,
             self.accumulators[s.name].treedef,
             self.accumulators[s.name].avals,
+            s.sharded,
         )
         for s in specs
     )
@@ -675,6 +774,8 @@ def _rewrite_jaxpr(jaxpr, accepts_key, specs):
       inner.accumulators[s.name] = Accumulator(
           s.treedef, tuple(acc_leaves[pos : pos + n])
       )
+      if s.sharded is not None:
+        inner.sharded[s.name] = s.sharded
       pos += n
     outs = eval_collecting(jaxpr.jaxpr, jaxpr.consts, inputs, inner)
     layout_box.append(inner.layout(specs))

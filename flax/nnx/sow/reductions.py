@@ -241,7 +241,7 @@ def fold(
       and len(snap.acc_avals) == len(acc.leaves)
   ):
     closure = list(closure)[snap.n_init_closure :]
-    leaves = _jax.eval_closed(snap.fold, [*closure, *acc.leaves, *value_leaves])
+    leaves = _jax.eval_fold(snap.fold, [*closure, *acc.leaves, *value_leaves])
     return leaves, snap.out_treedef
   new = reduction.reduce_fn(
       jax.tree_util.tree_unflatten(acc.treedef, acc.leaves),
@@ -281,7 +281,7 @@ def masked(snapshot: Snapshot, n_value: int) -> Snapshot:
   def fn(*args):
     mask = args[-1]
     acc = args[n_closure : n_closure + n_acc]
-    new = _jax.eval_closed(fold, args[:-1])
+    new = _jax.eval_fold(fold, args[:-1])
     return [jax.numpy.where(mask, x, a) for x, a in zip(new, acc)]
 
   mask_aval = _jax.ShapedArray((), jax.numpy.dtype('bool'))

@@ -1,0 +1,272 @@
+# Copyright 2026 The Flax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""The capture rule for ``shard_map``, and so for ``pmap``.
+
+JAX stages ``jax.pmap`` as a ``jit`` of a ``shard_map``, so this one rule
+covers both. A value sown inside a ``shard_map`` body is per shard. The
+rewritten body returns each leaf with one new leading axis of size 1 per
+manual mesh axis the value varies over (its aval's varying manual axes when
+``check_vma`` is on, every manual axis otherwise), and an ``out_specs``
+entry that splits exactly those axes over the mesh. Outside, the leaf is a
+global array ``(*[mesh.shape[a] for a in axes], *local_shape)`` whose entry
+``[k0, k1, ...]`` is the value on the shard at those mesh coordinates, and
+inside ``jax.jit`` it stays partitioned over the mesh: the capture adds no
+collective.
+
+A reduced name keeps one accumulator per shard the same way: outside, it has
+the leading axes of the union of the axes its sites vary over
+(:class:`capture.ShardAxes`); it enters the body split by the same spec, so
+each shard folds only its own values. Such a name may not also be sown
+outside a ``shard_map``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import jax
+from jax.sharding import PartitionSpec
+
+from flax.nnx.sow import _jax
+from flax.nnx.sow.capture import Collector
+from flax.nnx.sow.capture import accepts
+from flax.nnx.sow.capture import Layout
+from flax.nnx.sow.capture import ShardAxes
+from flax.nnx.sow.capture import SowSite
+from flax.nnx.sow.capture import cached
+from flax.nnx.sow.capture import collect_rules
+from flax.nnx.sow.capture import construct_names
+from flax.nnx.sow.capture import eval_collecting
+from flax.nnx.sow.capture import site_annotations
+from flax.nnx.sow.primitive import MARKER_KINDS
+from flax.nnx.sow.primitive import sow_p
+from flax.nnx.sow.primitive import staging_captures
+from flax.nnx.sow.reductions import Accumulator
+
+
+def _manual_axes(params) -> tuple[tuple[str, int], ...]:
+  """The axes this ``shard_map`` makes manual, in mesh order, with sizes."""
+  mesh, manual = params['mesh'], params['newly_manual_axes']
+  return tuple((a, mesh.shape[a]) for a in mesh.axis_names if a in manual)
+
+
+def _varying(params, avals) -> frozenset[str]:
+  """The manual axes of ``params``' shard_map that ``avals`` vary over."""
+  manual = frozenset(params['newly_manual_axes'])
+  if not params['check_vma']:
+    return manual  # JAX does not track it; every shard may differ
+  return frozenset().union(*(_jax.varying_axes(a) for a in avals)) & manual
+
+
+def _annotate(eqn: _jax.JaxprEqn, site: SowSite) -> SowSite:
+  if site.sharded is not None:
+    # Sown in a nested shard_map; the rule of the outer one refuses reduced
+    # names there (see ``_shard_map_rule``).
+    return site
+  sow = site.eqn
+  n = len(sow.invars) - sow.params['n_closure']
+  names = _varying(eqn.params, [v.aval for v in sow.invars[:n]])
+  return dataclasses.replace(
+      site, sharded=ShardAxes(_manual_axes(eqn.params), names)
+  )
+
+
+site_annotations[_jax.shard_map_p] = _annotate
+
+
+def _shard_map_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
+  p = eqn.params
+  body = p['jaxpr']
+  sites = collector.accepted_sites([body])
+  for site in sites:
+    if site.reduction is not None and site.sharded is not None:
+      raise NotImplementedError(
+          f'sow {site.name!r}{site.where}: a reduced sow inside a'
+          ' `jax.shard_map` nested in another `jax.shard_map` is not'
+          ' supported. Sow it in the outer shard_map body (return the value'
+          ' from the inner one), or drop reduce_fn/init_fn to collect the'
+          ' values.'
+      )
+  specs = collector.reduced_specs_of([_annotate(eqn, s) for s in sites])
+  rewritten = cached(
+      body,
+      (
+          'shard_map',
+          collector.accepts_key,
+          specs,
+          p['mesh'],
+          p['newly_manual_axes'],
+          p['check_vma'],
+      ),
+      lambda: _rewrite_body(body, collector.accepts_key, specs, p),
+  )
+  jaxpr, consts, const_specs, acc_specs, extra_specs, layout = rewritten
+  acc_in = collector.accumulator_leaves(specs)
+  acc_in = [_place(x, spec, p['mesh']) for x, spec in zip(acc_in, acc_specs)]
+  new_params = dict(
+      p,
+      jaxpr=jaxpr,
+      in_specs=(*const_specs, *acc_specs, *p['in_specs']),
+      out_specs=(*p['out_specs'], *extra_specs),
+  )
+  outs = _jax.bind_equation(
+      eqn.replace(params=new_params), [*consts, *acc_in, *invals]
+  )
+  return collector.split_outputs(layout, outs, len(eqn.outvars))
+
+
+def _place(x, spec: PartitionSpec, mesh):
+  """An accumulator laid out as ``spec`` says, where the mesh checks it.
+
+  With ``Explicit`` mesh axes ``shard_map`` requires its inputs to be
+  sharded as their ``in_specs`` say; an accumulator starts replicated.
+  """
+  explicit = getattr(mesh, 'explicit_axes', ())
+  if not any(a in explicit for a in spec if a is not None):
+    return x
+  sharding = jax.sharding.NamedSharding(mesh, spec)
+  if getattr(_jax.typeof(x), 'sharding', None) == sharding:
+    return x
+  return jax.sharding.reshard(x, sharding)
+
+
+def _rewrite_body(body: _jax.Jaxpr, accepts_key, specs, params):
+  """The body with the collected values as extra, per-shard outputs.
+
+  Returns ``(jaxpr, consts, const_specs, acc_specs, extra_specs, layout)``:
+  the new body takes ``[*consts, *accumulators, *inputs]``.
+  """
+  mesh, manual = params['mesh'], params['newly_manual_axes']
+  check_vma = params['check_vma']
+  acc_specs = tuple(
+      PartitionSpec(*s.sharded.axes) for s in specs for _ in s.avals
+  )
+  acc_avals = [a for s in specs for a in s.avals]
+  acc_local = [
+      _jax.shard_aval(
+          mesh,
+          manual,
+          check_vma,
+          spec,
+          _jax.ShapedArray(a.shape, a.dtype, weak_type=a.weak_type),
+      )
+      for spec, a in zip(acc_specs, acc_avals)
+  ]
+  n_acc = len(acc_avals)
+  box = []
+
+  def fn(*args):
+    acc_leaves, inputs = args[:n_acc], args[n_acc:]
+    inner = Collector(accepts_key)
+    pos = 0
+    for s in specs:
+      n, k = len(s.avals), len(s.sharded.axes)
+      inner.accumulators[s.name] = Accumulator(
+          s.treedef,
+          tuple(x.reshape(x.shape[k:]) for x in acc_leaves[pos : pos + n]),
+      )
+      pos += n
+    outs = eval_collecting(body, (), inputs, inner)
+    extra, extra_specs = [], []
+    for _, leaves in inner.entries:
+      for x in leaves:
+        axes = ShardAxes(
+            _manual_axes(params), _varying(params, [_jax.typeof(x)])
+        ).axes
+        extra.append(x.reshape((1,) * len(axes) + x.shape))
+        extra_specs.append(PartitionSpec(*axes))
+    for s in specs:
+      axes = s.sharded.axes
+      for x in inner.accumulators[s.name].leaves:
+        extra.append(x.reshape((1,) * len(axes) + x.shape))
+        extra_specs.append(PartitionSpec(*axes))
+    layout = Layout(
+        tuple(spec for spec, _ in inner.entries), specs, tuple(inner.names)
+    )
+    box.append((layout, tuple(extra_specs)))
+    return [*outs, *extra]
+
+  with _jax.shard_map_context(mesh, manual, check_vma):
+    closed = _jax.trace_to_closed_jaxpr(
+        fn, [*acc_local, *body.in_avals], 'shard_map_capture'
+    )
+    jaxpr, consts = _jax.close_over_nothing(closed)
+  const_specs = tuple(_jax.replicated_spec(_jax.typeof(c)) for c in consts)
+  layout, extra_specs = box[-1]
+  return jaxpr, consts, const_specs, acc_specs, extra_specs, layout
+
+
+collect_rules[_jax.shard_map_p] = _shard_map_rule
+construct_names[_jax.shard_map_p] = '`jax.shard_map`'
+
+
+# ----------------------------------------------------------------------------
+# ``jax.vmap`` of a ``shard_map``: JAX batches the body, so a value sown in
+# it would come back with the mapped axis after the mesh axes, unlike every
+# other vmapped sow. Until that is laid out mapped-axis-first, a plain sow
+# batched this way, in a program a capture is staging, raises.
+
+
+class _Batching(threading.local):
+
+  def __init__(self):
+    super().__init__()
+    self.axes: list = []  # axis data of the vmaps batching a shard_map
+
+
+_batching = _Batching()
+
+
+def _batch_shard_map(original, trace, *args, **params):
+  _batching.axes.append(trace.axis_data)
+  try:
+    return original(trace, *args, **params)
+  finally:
+    _batching.axes.pop()
+
+
+def _batched_by_outer_vmap(axis_data) -> bool:
+  return any(
+      a is axis_data
+      or (a.name == axis_data.name and a.spmd_name == axis_data.spmd_name)
+      for a in _batching.axes
+  )
+
+
+def _sow_batch(original, axis_data, leaves, dims, **params):
+  if (
+      _batching.axes
+      and params['effect']
+      and params['reduction'] is None
+      and params['kind'] not in MARKER_KINDS
+      and _batched_by_outer_vmap(axis_data)
+      and any(
+          accepts(key, params['tag'], None, params['kind'])
+          for key in staging_captures()
+      )
+  ):
+    raise NotImplementedError(
+        f'sow {params["name"]!r}: a plain sow inside a `jax.shard_map` (or'
+        ' `jax.pmap`) that `jax.vmap` maps over cannot be collected yet (its'
+        ' mapped axis would not come first). Move the vmap inside the'
+        ' shard_map body, or sow the value after the shard_map returns it,'
+        ' or make it a reduced sow (reduce_fn/init_fn).'
+    )
+  return original(axis_data, leaves, dims, **params)
+
+
+_jax.wrap_batch_shard_map(_batch_shard_map)
+_jax.wrap_rule(_jax.fancy_primitive_batchers, sow_p, _sow_batch)

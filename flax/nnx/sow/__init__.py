@@ -16,7 +16,8 @@
 
 ``sow(value, name=...)`` tags a value anywhere in a JAX program;
 ``capture(f)`` returns ``(f(...), collected)`` with every tagged value by
-name; ``perturb(value, name=...)`` collects the cotangent arriving at a value.
+name; ``perturb(value, name=...)`` collects the cotangent arriving at a value;
+``intervene(f, values)`` replaces sown values (activation patching).
 Importing this package also installs the NNX shims (``nnx_shims.install()``):
 ``nnx.Module.sow``, ``nnx.Module.perturb`` and ``nnx.capture`` then run on
 ``capture``; ``nnx_shims.uninstall()`` restores Flax's originals. See
@@ -33,6 +34,7 @@ from flax.nnx.sow import state
 from flax.nnx.sow.capture import Collected
 from flax.nnx.sow.capture import capture
 from flax.nnx.sow.capture import collect_rules
+from flax.nnx.sow.intervene import intervene
 from flax.nnx.sow.perturb import perturb
 from flax.nnx.sow.primitive import sow
 from flax.nnx.sow.primitive import sow_p
@@ -48,6 +50,7 @@ __all__ = [
     'collect_rules',
     'collected_to_state',
     'flatten_names',
+    'intervene',
     'nnx_shims',
     'perturb',
     'sow',

@@ -47,6 +47,7 @@ from flax.nnx.sow.primitive import Reduction
 from flax.nnx.sow.primitive import bind_sow
 from flax.nnx.sow.primitive import sow_p
 from flax.nnx.sow.primitive import MARKER_KINDS
+from flax.nnx.sow.primitive import intervening
 from flax.nnx.sow.primitive import staging_captures
 
 
@@ -100,7 +101,7 @@ _NO_LEAVES = jax.tree_util.tree_structure(())
 
 def _scan_batcher(jax_rule, axis_data, args, dims, **params):
   body = params['jaxpr']
-  if not _has_plain_sows(body):
+  if intervening() or not _has_plain_sows(body):
     return jax_rule(axis_data, args, dims, **params)
   # [consts, carry, xs] -> [carry, ys, entries]: the entries are extra ys.
   new_body, layout = rewrite_jaxpr(body, PLAIN_SOWS, ())
@@ -116,7 +117,7 @@ def _scan_batcher(jax_rule, axis_data, args, dims, **params):
 
 
 def _cond_batcher(jax_rule, axis_data, args, dims, *, branches, **params):
-  if dims[0] is None:
+  if dims[0] is None or intervening():
     return jax_rule(axis_data, args, dims, branches=branches, **params)
   # A batched predicate: vmap runs every branch for every example and
   # selects. Reduced sows are taken out first, each with a mask of the

@@ -925,6 +925,7 @@ def capture(
   def captured(*args, **kwargs):
     return _capture_call(f, accepts_key, args, kwargs)
 
+  captured._sow_captured = (f, tags)  # pylint: disable=protected-access
   return captured
 
 
@@ -941,13 +942,33 @@ def _capture_call(f, accepts_key, args, kwargs):
   )
 
 
-def stage_and_collect(
+@dataclasses.dataclass(frozen=True)
+class Staged:
+  """``f`` staged at its arguments: the program and how to rebuild ``f``'s
+  output from the program's outputs."""
+
+  closed: _jax.ClosedJaxpr
+  arrays: list[tp.Any]  # the traced argument leaves, the program's inputs
+  out_tree: tp.Any
+  static_out: list[tp.Any]
+  out_is_array: list[bool]
+
+  def output(self, outs: tp.Sequence[tp.Any]) -> tp.Any:
+    it = iter(outs)
+    leaves = [
+        next(it) if o else x for x, o in zip(self.static_out, self.out_is_array)
+    ]
+    return jax.tree_util.tree_unflatten(self.out_tree, leaves)
+
+
+def stage(
     f: tp.Callable[..., tp.Any],
-    accepts_key: frozenset | None,
+    staging_key: tp.Any,
     args: tuple[tp.Any, ...],
     kwargs: dict[str, tp.Any],
-) -> tuple[tp.Any, Collected]:
-  """``capture``'s work once graph nodes are split: stage, rewrite, evaluate."""
+) -> Staged:
+  """Traces ``f`` to a jaxpr: array leaves of the arguments become inputs,
+  every other leaf reaches ``f`` as it is. Sows are staged effectful."""
   leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs))
   traced_mask = [is_array(x) for x in leaves]
   arrays = [x for x, a in zip(leaves, traced_mask) if a]
@@ -963,19 +984,27 @@ def stage_and_collect(
     out_box.append((out_tree, out_leaves, out_is_array))
     return [x for x, o in zip(out_leaves, out_is_array) if o]
 
-  with staging(accepts_key):
+  with staging(staging_key):
     closed = _jax.trace_to_closed_jaxpr(
         flat_f,
         [_jax.typeof(x) for x in arrays],
         getattr(f, '__name__', 'f'),
     )
   out_tree, static_out, out_is_array = out_box[-1]
+  return Staged(closed, arrays, out_tree, static_out, out_is_array)
+
+
+def stage_and_collect(
+    f: tp.Callable[..., tp.Any],
+    accepts_key: frozenset | None,
+    args: tuple[tp.Any, ...],
+    kwargs: dict[str, tp.Any],
+) -> tuple[tp.Any, Collected]:
+  """``capture``'s work once graph nodes are split: stage, rewrite, evaluate."""
+  staged = stage(f, accepts_key, args, kwargs)
   collector = Collector(accepts_key)
-  outs = iter(collect_program(closed, arrays, collector))
-  out_leaves = [
-      next(outs) if o else x for x, o in zip(static_out, out_is_array)
-  ]
-  return jax.tree_util.tree_unflatten(out_tree, out_leaves), collector.result()
+  outs = collect_program(staged.closed, staged.arrays, collector)
+  return staged.output(outs), collector.result()
 
 
 def collect_program(

@@ -99,13 +99,33 @@ def staging(accepts_key: tp.Any = None):
   return _STAGING((*_STAGING.value, accepts_key))
 
 
+class _Intervening:
+  """The staging key of ``intervene`` (``intervene.py``): its sows are
+  staged effectful, like a capture's, but no capture accepts them."""
+
+  def __repr__(self):
+    return 'INTERVENING'
+
+
+INTERVENING = _Intervening()
+
+
 def staging_active() -> bool:
   return bool(_STAGING.value)
 
 
 def staging_captures() -> tuple[tp.Any, ...]:
   """The ``tags`` keys (``None``: every tag) of the captures staging now."""
-  return _STAGING.value
+  return tuple(k for k in _STAGING.value if k is not INTERVENING)
+
+
+def intervening() -> bool:
+  """Whether the innermost transform staging now is ``intervene``.
+
+  Its sows must stay where they are, with every operand batched under
+  ``jax.vmap``: a replaced value has to reach the sow's consumers.
+  """
+  return bool(_STAGING.value) and _STAGING.value[-1] is INTERVENING
 
 
 def bind_sow(
@@ -205,6 +225,10 @@ def _sow_batch(axis_data, leaves, dims, **params):
   params = dict(params, batch_dims=params['batch_dims'] + 1)
   outs = sow_p.bind(*moved, **params)
   n = len(outs)  # the closure is batched with the value, not returned
+  if intervening() and params['effect']:
+    # ``intervene`` may replace the value per example: every leaf comes
+    # back batched.
+    return outs, [0] * n
   outs = [o if d is not None else x for o, x, d in zip(outs, leaves, dims)]
   return outs, [None if d is None else 0 for d in dims[:n]]
 

@@ -1,0 +1,766 @@
+# Copyright 2026 The Flax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""The intervene transform: replace sown values (activation patching).
+
+``intervene(f, values)`` stages ``f`` like ``capture`` does and evaluates
+its jaxpr with :func:`eval_intervening`, an interpreter that binds every
+equation as it was, except that an accepted sow named in ``values`` is bound
+on its replacement instead of its own value (so its consumers, and any
+capture around, see the replacement). It is the mirror image of the capture
+rewrite: where a capture turns sows into extra *outputs* of the constructs
+that hold them, intervene turns replacements into extra *inputs*: a
+rewritten ``jit`` takes the entries its sows consume as arguments, a ``scan``
+takes the stacked entries of its sites as extra ``xs`` (entry ``i`` of a loop
+site replaces iteration ``i``), a ``cond`` passes them to every branch. A
+callable replacement is applied in place, wherever the sow is.
+
+The layout of ``values[name]`` is the layout ``capture`` returns, so
+``intervene(f, collected)`` patches exactly what a capture of another run
+collected. The idea is activation patching / causal tracing (Meng et al.,
+2022, "Locating and Editing Factual Associations in GPT"; Vig et al., 2020);
+oryx's ``plant`` is the closest prior art in JAX.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import typing as tp
+
+import jax
+
+from flax.nnx.sow import _jax
+from flax.nnx.sow.capture import capture as capture_transform
+from flax.nnx.sow import graph as graph_lib
+from flax.nnx.sow.capture import accepts
+from flax.nnx.sow.capture import as_jaxpr
+from flax.nnx.sow.capture import cached
+from flax.nnx.sow.capture import construct_name
+from flax.nnx.sow.capture import sow_sites
+from flax.nnx.sow.capture import stage
+from flax.nnx.sow.capture import where
+from flax.nnx.sow.loops import _branches_hoisted  # pylint: disable=protected-access
+from flax.nnx.sow.loops import _hoisted  # pylint: disable=protected-access
+from flax.nnx.sow.primitive import INTERVENING
+from flax.nnx.sow.primitive import Name
+from flax.nnx.sow.primitive import sow_p
+from flax.nnx.sow.primitive import staging_active
+
+Rule = tp.Callable[['Injector', _jax.JaxprEqn, list[tp.Any]], list[tp.Any]]
+
+intervene_rules: dict[_jax.Primitive, Rule] = {}
+"""Rules for higher-order primitives, keyed by primitive.
+
+``rule(injector, eqn, invals) -> outvals`` binds ``eqn`` so that the sows in
+its sub-jaxprs named in the injector's values return their replacements.
+"""
+
+_REPLACEABLE_KINDS = ('value', 'perturb')
+
+
+# ----------------------------------------------------------------------------
+# What is replaced.
+
+
+@dataclasses.dataclass(frozen=True)
+class Entries:
+  """Array replacements of one name: ``entries[i]`` for its ``i``-th sow."""
+
+  entries: tuple[tp.Any, ...]
+  offset: int = 0  # index of ``entries[0]`` in the user's tuple
+
+
+def _describe(tree) -> str:
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  types = ', '.join(_jax.typeof(x).str_short() for x in leaves)
+  return f'{treedef} of [{types}]'
+
+
+def _same_type(a, b) -> bool:
+  return a.shape == b.shape and a.dtype == b.dtype
+
+
+class Injector:
+  """What one ``intervene`` replaces in one scope of the program.
+
+  A scope is the top-level jaxpr or a sub-jaxpr a rule rewrites. Callables
+  are shared by every scope; array entries are handed down to the scope that
+  consumes them, in call order.
+  """
+
+  def __init__(
+      self,
+      accepts_key,
+      values: dict[Name, tp.Any],
+      strict: bool,
+      *,
+      in_loop: bool = False,
+  ):
+    self.accepts_key = accepts_key
+    self.values = values  # name -> callable | Entries
+    self.strict = strict
+    self.in_loop = in_loop
+    self.next: collections.Counter = collections.Counter()
+    self.used: set[Name] = set()
+
+  # -- which sows are replaced ---------------------------------------------
+
+  def targets(self, params) -> bool:
+    return (
+        not params['remat_copy']
+        and params['name'] in self.values
+        and params['kind'] in _REPLACEABLE_KINDS
+        and accepts(
+            self.accepts_key, params['tag'], params['reduction'], params['kind']
+        )
+    )
+
+  def has_work(self, jaxprs) -> bool:
+    return any(
+        self.targets(s.eqn.params)
+        for j in jaxprs
+        for s in sow_sites(as_jaxpr(j))
+    )
+
+  # -- array entries --------------------------------------------------------
+
+  def consumed(self, jaxpr: _jax.Jaxpr) -> collections.Counter:
+    """How many array entries of each name one call of ``jaxpr`` consumes."""
+    counts: collections.Counter = collections.Counter()
+    for eqn in jaxpr.eqns:
+      p = eqn.params
+      if eqn.primitive is sow_p:
+        if self.targets(p) and isinstance(self.values[p['name']], Entries):
+          counts[p['name']] += 1
+        continue
+      subs = list(_jax.jaxprs_in_params(p))
+      if not subs or not self.has_work(subs):
+        continue
+      if eqn.primitive is _jax.cond_p:
+        per_branch = [self.consumed(b.jaxpr) for b in p['branches']]
+        for name in set().union(*per_branch):
+          ns = [c[name] for c in per_branch]
+          if len(set(ns)) > 1:
+            site = next(
+                s
+                for b in p['branches']
+                for s in sow_sites(b.jaxpr)
+                if s.name == name
+            )
+            raise ValueError(
+                f'intervene: sow {name!r}{site.where}: the branches of'
+                f' `lax.cond`/`lax.switch` sow it {ns} times, so an entry of'
+                ' values cannot be matched to a sow. Pass a callable'
+                ' (values[name] = fn) instead.'
+            )
+          counts[name] += ns[0]
+      else:
+        for sub in subs:
+          counts.update(self.consumed(sub))
+    return counts
+
+  def take(self, counts: collections.Counter, length: int | None = None):
+    """The next ``counts[name]`` entries of each name, for a sub-jaxpr.
+
+    Returns ``(leaves, spec)``: the entries' leaves (to pass as extra
+    operands) and, per name, ``(offset, treedefs)`` to rebuild them inside.
+    ``length``: the sub-jaxpr is a loop body; every entry is stacked over
+    the loop and must have that leading axis.
+    """
+    leaves, spec = [], []
+    for name, n in counts.items():
+      if not n:
+        continue
+      ent: Entries = self.values[name]
+      start = self.next[name]
+      self.next[name] += n
+      self.used.add(name)
+      stop = min(start + n, len(ent.entries))
+      if stop - start < n and self.strict:
+        raise self._count_error(name, start + n)
+      treedefs = []
+      for i in range(start, stop):
+        entry_leaves, treedef = jax.tree_util.tree_flatten(ent.entries[i])
+        entry_leaves = [jax.numpy.asarray(x) for x in entry_leaves]
+        if length is not None:
+          for x in entry_leaves:
+            if not x.shape or x.shape[0] != length:
+              raise ValueError(
+                  f'intervene: values[{name!r}][{ent.offset + i}] replaces a'
+                  f' sow inside a loop of {length} iterations, so each leaf'
+                  f' needs a leading axis of {length} (entry j replaces'
+                  f' iteration j, as capture stacks them); got'
+                  f' {_describe(ent.entries[i])}.'
+              )
+        leaves.extend(entry_leaves)
+        treedefs.append((treedef, len(entry_leaves)))
+      spec.append((name, ent.offset + start, tuple(treedefs)))
+    return leaves, tuple(spec)
+
+  def _count_error(self, name, reached) -> ValueError:
+    ent = self.values[name]
+    return ValueError(
+        f'intervene: values[{name!r}] has {len(ent.entries) + ent.offset}'
+        f' entries, but the program sows {name!r} at least'
+        f' {reached + ent.offset} times (one entry per sow executed at top'
+        ' level, one stacked entry per sow site inside a loop, as capture'
+        ' returns them). Pass a tuple of that length, or a callable.'
+    )
+
+  def inner(self, spec, leaves, *, in_loop: bool = False) -> Injector:
+    """The injector of a sub-jaxpr given the entries ``take`` handed it."""
+    values = {
+        n: v for n, v in self.values.items() if not isinstance(v, Entries)
+    }
+    pos = 0
+    for name, offset, treedefs in spec:
+      entries = []
+      for treedef, n in treedefs:
+        entries.append(
+            jax.tree_util.tree_unflatten(treedef, leaves[pos : pos + n])
+        )
+        pos += n
+      values[name] = Entries(tuple(entries), offset)
+    # Names whose entries this scope does not get are not replaced in it.
+    return Injector(
+        self.accepts_key, values, self.strict, in_loop=self.in_loop or in_loop
+    )
+
+  def rewrite(
+      self,
+      closed: _jax.ClosedJaxpr,
+      spec,
+      rep_avals: tp.Sequence[tp.Any],
+      *,
+      in_loop: bool = False,
+  ) -> _jax.ClosedJaxpr:
+    """``closed`` taking the replacement leaves as trailing inputs, with its
+    sows replaced (cached per jaxpr, replacement layout and callables)."""
+    fns = tuple(
+        (n, v) for n, v in self.values.items() if not isinstance(v, Entries)
+    )
+    key = (
+        'intervene',
+        self.accepts_key,
+        self.strict,
+        fns,
+        spec,
+        tuple(rep_avals),
+        in_loop or self.in_loop,
+        staging_active(),
+    )
+
+    def build():
+      n_in = len(closed.in_avals)
+
+      def fn(*args):
+        inner = self.inner(spec, args[n_in:], in_loop=in_loop)
+        return eval_intervening(closed.jaxpr, closed.consts, args[:n_in], inner)
+
+      return _jax.trace_to_closed_jaxpr(
+          fn, [*closed.in_avals, *rep_avals], 'intervene_rewrite'
+      )
+
+    return cached(closed, key, build)
+
+  # -- the sow --------------------------------------------------------------
+
+  def on_sow(self, eqn: _jax.JaxprEqn, invals: list[tp.Any]) -> list[tp.Any]:
+    p = eqn.params
+    rebind = eqn.replace(params=dict(p, effect=staging_active()))
+    if not self.targets(p):
+      return _jax.bind_equation(rebind, invals)
+    name = p['name']
+    n = len(invals) - p['n_closure']
+    leaves, closure = list(invals[:n]), list(invals[n:])
+    value = jax.tree_util.tree_unflatten(p['treedef'], leaves)
+    replacement = self.values[name]
+    self.used.add(name)
+    if isinstance(replacement, Entries):
+      i = self.next[name]
+      self.next[name] += 1
+      if i >= len(replacement.entries):
+        if self.strict:
+          raise self._count_error(name, i + 1)
+        return _jax.bind_equation(rebind, invals)
+      if self.in_loop and p['batch_dims']:
+        raise ValueError(
+            f'intervene: sow {name!r}{where(eqn)} is inside a loop under'
+            ' `jax.vmap`, where an array replacement cannot be laid out'
+            ' unambiguously. Pass a callable (values[name] = fn, applied'
+            ' per example and iteration), or put the vmap around intervene.'
+        )
+      new = replacement.entries[i]
+      label = f'values[{name!r}][{replacement.offset + i}]'
+    else:
+      new = _apply(replacement, value, p['batch_dims'])
+      label = f'values[{name!r}](value)'
+    new_leaves, new_treedef = jax.tree_util.tree_flatten(new)
+    new_leaves = [jax.numpy.asarray(x) for x in new_leaves]
+    if new_treedef != p['treedef'] or not all(
+        _same_type(_jax.typeof(a), _jax.typeof(b))
+        for a, b in zip(new_leaves, leaves)
+    ):
+      raise ValueError(
+          f'intervene: sow {name!r}{where(eqn)}: {label} is'
+          f' {_describe(new)}, but the sown value is {_describe(value)}.'
+          ' A replacement must have the structure, shape and dtype of the'
+          ' value it replaces (nothing is broadcast or cast).'
+      )
+    return _jax.bind_equation(rebind, [*new_leaves, *closure])
+
+  def check_sites(self, jaxpr: _jax.Jaxpr) -> None:
+    """Checks before anything runs: no reduced name is replaced; with
+    ``strict``, every name is sown somewhere in the program."""
+    sites = [s for s in sow_sites(jaxpr) if self.targets(s.eqn.params)]
+    for s in sites:
+      if s.reduction is not None:
+        raise ValueError(
+            f'intervene: sow {s.name!r}{s.where} is reduced (reduce_fn/'
+            'init_fn): its sites fold into one accumulator, so there is no'
+            ' value to replace. Replace the values it reduces (sow them'
+            ' under another name), or drop the name from values.'
+        )
+    self.used.update(s.name for s in sites)
+    if not self.strict:
+      return
+    unused = [n for n in self.values if n not in self.used]
+    if unused:
+      raise ValueError(
+          f'intervene: no sow that this intervene accepts is named'
+          f' {", ".join(map(repr, unused))}. Check the names (capture(f)'
+          ' returns them) and tags, or pass strict=False to ignore names the'
+          ' program does not sow.'
+      )
+
+  def finish(self) -> None:
+    """The count check of ``strict=True`` once the whole program has run."""
+    if not self.strict:
+      return
+    for name, v in self.values.items():
+      if isinstance(v, Entries) and self.next[name] != len(v.entries):
+        raise ValueError(
+            f'intervene: values[{name!r}] has {len(v.entries)} entries, but'
+            f' the program sows {name!r} {self.next[name]} times (one entry'
+            ' per sow executed at top level, one stacked entry per sow site'
+            ' inside a loop, as capture returns them). Pass a tuple of that'
+            ' length, or strict=False.'
+        )
+
+
+def _apply(fn, value, batch_dims: int):
+  """``fn`` applied to one example's value (``vmap``-ed over batch axes)."""
+  for _ in range(batch_dims):
+    fn = jax.vmap(fn)
+  return fn(value)
+
+
+# ----------------------------------------------------------------------------
+# The generic loop.
+
+
+def eval_intervening(
+    jaxpr: _jax.Jaxpr,
+    consts: tp.Sequence[tp.Any],
+    args: tp.Sequence[tp.Any],
+    injector: Injector,
+) -> list[tp.Any]:
+  """Evaluates ``jaxpr`` on the current trace with sows replaced."""
+  env: dict[_jax.Var, tp.Any] = {}
+
+  def read(v):
+    return v.val if isinstance(v, _jax.Literal) else env[v]
+
+  env.update(zip(jaxpr.constvars, consts))
+  env.update(zip(jaxpr.invars, args))
+  for eqn in jaxpr.eqns:
+    invals = [read(v) for v in eqn.invars]
+    with _jax.equation_context(eqn):
+      if eqn.primitive is sow_p:
+        outs = injector.on_sow(eqn, invals)
+      else:
+        subs = list(_jax.jaxprs_in_params(eqn.params))
+        if subs and injector.has_work(subs):
+          rule = intervene_rules.get(eqn.primitive)
+          if rule is None:
+            raise _unsupported(eqn, injector)
+          outs = rule(injector, eqn, invals)
+        else:
+          outs = _jax.bind_equation(eqn, invals)
+    env.update(zip(eqn.outvars, outs))
+  return [_jax.as_value(read(v)) for v in jaxpr.outvars]
+
+
+def _unsupported(eqn, injector) -> NotImplementedError:
+  sites = [
+      s
+      for sub in _jax.jaxprs_in_params(eqn.params)
+      for s in sow_sites(sub)
+      if injector.targets(s.eqn.params)
+  ]
+  return NotImplementedError(
+      f'intervene: sow {sites[0].name!r}{sites[0].where} is inside'
+      f' {construct_name(eqn.primitive)} (primitive `{eqn.primitive.name}`),'
+      ' which intervene has no rule for. Replace the value outside that'
+      ' construct, or register a rule in'
+      ' flax.nnx.sow.intervene.intervene_rules.'
+  )
+
+
+# ----------------------------------------------------------------------------
+# Rules. Each passes the array entries its sub-jaxprs consume as extra
+# trailing operands.
+
+
+def _one_body(injector, closed, *, length=None, in_loop=False):
+  counts = injector.consumed(closed.jaxpr)
+  leaves, spec = injector.take(counts, length)
+  avals = [_jax.typeof(x) for x in leaves]
+  if length is not None:
+    avals = [_jax.ShapedArray(a.shape[1:], a.dtype) for a in avals]
+  new = injector.rewrite(closed, spec, avals, in_loop=in_loop)
+  return new, leaves
+
+
+def _jit_rule(injector, eqn, invals):
+  p = eqn.params
+  new, reps = _one_body(injector, p['jaxpr'])
+  # Constants of the rewrite (e.g. tracers a callable closes over) enter as
+  # leading arguments.
+  new, consts = _hoisted(new)
+  n, k = len(reps), len(consts)
+  return _jax.jit_p.bind(
+      *consts,
+      *invals,
+      *reps,
+      **dict(
+          p,
+          jaxpr=new,
+          in_shardings=(
+              *(_jax.UNSPECIFIED,) * k,
+              *p['in_shardings'],
+              *(_jax.UNSPECIFIED,) * n,
+          ),
+          in_layouts=(*(None,) * k, *p['in_layouts'], *(None,) * n),
+          donated_invars=(
+              *(False,) * k,
+              *p['donated_invars'],
+              *(False,) * n,
+          ),
+      ),
+  )
+
+
+def _closed_call_rule(injector, eqn, invals):
+  closed = eqn.params['call_jaxpr']
+  return eval_intervening(closed.jaxpr, closed.consts, invals, injector)
+
+
+def _call_rule(injector, eqn, invals):
+  return eval_intervening(eqn.params['call_jaxpr'], (), invals, injector)
+
+
+def _remat_rule(injector, eqn, invals):
+  p = eqn.params
+  new, reps = _one_body(injector, _jax.ClosedJaxpr(p['jaxpr'], ()))
+  jaxpr, consts = _jax.close_over_nothing(new)
+  # close_over_nothing puts the constants first.
+  return _jax.remat_p.bind(*consts, *invals, *reps, **dict(p, jaxpr=jaxpr))
+
+
+def _scan_rule(injector, eqn, invals):
+  p = eqn.params
+  new, reps = _one_body(injector, p['jaxpr'], length=p['length'], in_loop=True)
+  new, consts = _hoisted(new)
+  return _jax.scan_p.bind(
+      *consts,
+      *invals,
+      *reps,
+      **dict(p, jaxpr=new, num_consts=len(consts) + p['num_consts']),
+  )
+
+
+def _while_rule(injector, eqn, invals):
+  p = eqn.params
+  for key in ('cond_jaxpr', 'body_jaxpr'):
+    counts = injector.consumed(p[key].jaxpr)
+    if any(counts.values()):
+      name = next(n for n, c in counts.items() if c)
+      site = next(s for s in sow_sites(p[key].jaxpr) if s.name == name)
+      raise ValueError(
+          f'intervene: sow {name!r}{site.where} is inside `lax.while_loop`'
+          ' (or a fori_loop with traced bounds), whose number of iterations'
+          ' is not known, so values[name] cannot be a tuple of arrays. Pass'
+          ' a callable (values[name] = fn, applied at every iteration).'
+      )
+  cond, cond_consts = _hoisted(
+      injector.rewrite(p['cond_jaxpr'], (), (), in_loop=True)
+  )
+  body, body_consts = _hoisted(
+      injector.rewrite(p['body_jaxpr'], (), (), in_loop=True)
+  )
+  nc, nb = p['cond_nconsts'], p['body_nconsts']
+  return _jax.while_p.bind(
+      *cond_consts,
+      *invals[:nc],
+      *body_consts,
+      *invals[nc:],
+      **dict(
+          p,
+          cond_jaxpr=cond,
+          body_jaxpr=body,
+          cond_nconsts=len(cond_consts) + nc,
+          body_nconsts=len(body_consts) + nb,
+      ),
+  )
+
+
+def _cond_rule(injector, eqn, invals):
+  p = eqn.params
+  branches = p['branches']
+  # Every branch consumes the same entries (``consumed`` checks the counts).
+  counts = injector.consumed(branches[0].jaxpr)
+  for b in branches[1:]:
+    counts.update({n: 0 for n in injector.consumed(b.jaxpr) if n not in counts})
+  leaves, spec = injector.take(counts)
+  avals = [_jax.typeof(x) for x in leaves]
+  new = tuple(injector.rewrite(b, spec, avals) for b in branches)
+  new, consts = _branches_hoisted(new)
+  index, *ops = invals
+  return _jax.cond_p.bind(
+      index, *consts, *ops, *leaves, **dict(p, branches=new)
+  )
+
+
+def _custom_jvp_rule(injector, eqn, invals):
+  p = eqn.params
+  new, reps = _one_body(injector, p['call_jaxpr'])
+  n_orig, n_out = len(invals), len(eqn.outvars)
+  _, orig_jvp = eqn.primitive.get_bind_params(p)['subfuns']
+
+  def fun(*args):
+    return _jax.eval_closed(new, args)
+
+  def jvp(*xs):
+    primals, tangents = xs[: len(xs) // 2], xs[len(xs) // 2 :]
+    out = list(orig_jvp.call_wrapped(*primals[:n_orig], *tangents[:n_orig]))
+    # The custom rule gives the tangents (a replacement inside has none);
+    # the primal outputs are those of the body with its sows replaced.
+    return [*_jax.eval_closed(new, primals), *out[n_out:]]
+
+  n_in = n_orig + len(reps)
+  return _jax.custom_jvp_call_p.bind(
+      *invals,
+      *reps,
+      subfuns=(
+          _jax.wrap_init(fun, 'custom_jvp_intervene', n_in),
+          _jax.wrap_init(jvp, 'custom_jvp_intervene_jvp', 2 * n_in),
+      ),
+      symbolic_zeros=p['symbolic_zeros'],
+  )
+
+
+def _custom_vjp_rule(injector, eqn, invals):
+  p = eqn.params
+  new, reps = _one_body(injector, p['call_jaxpr'])
+  rep_avals = [_jax.typeof(x) for x in reps]
+  n_orig, n_out = len(invals), len(eqn.outvars)
+  _, orig_fwd, orig_bwd = eqn.primitive.get_bind_params(p)['subfuns']
+
+  def fun(*args):
+    return _jax.eval_closed(new, args)
+
+  def fwd(*args):
+    res_and_outs = list(orig_fwd.call_wrapped(*args[: 2 * n_orig]))
+    outs = _jax.eval_closed(new, args[::2])
+    return [*res_and_outs[: len(res_and_outs) - n_out], *outs]
+
+  def bwd(*args):
+    cts = list(orig_bwd.call_wrapped(*args))
+    return [*cts, *(_jax.Zero(a.to_tangent_aval()) for a in rep_avals)]
+
+  n_in = n_orig + len(reps)
+  return _jax.custom_vjp_call_p.bind(
+      *invals,
+      *reps,
+      subfuns=(
+          _jax.wrap_init(fun, 'custom_vjp_intervene', n_in),
+          _jax.wrap_init(fwd, 'custom_vjp_intervene_fwd', 2 * n_in),
+          _jax.wrap_init(bwd, 'custom_vjp_intervene_bwd', 0),
+      ),
+      out_trees=p['out_trees'],
+      symbolic_zeros=p['symbolic_zeros'],
+  )
+
+
+intervene_rules[_jax.jit_p] = _jit_rule
+intervene_rules[_jax.closed_call_p] = _closed_call_rule
+intervene_rules[_jax.call_p] = _call_rule
+intervene_rules[_jax.remat_p] = _remat_rule
+intervene_rules[_jax.scan_p] = _scan_rule
+intervene_rules[_jax.while_p] = _while_rule
+intervene_rules[_jax.cond_p] = _cond_rule
+intervene_rules[_jax.custom_jvp_call_p] = _custom_jvp_rule
+intervene_rules[_jax.custom_vjp_call_p] = _custom_vjp_rule
+
+
+# ----------------------------------------------------------------------------
+# The transform.
+
+
+def _normalize(values) -> dict[Name, tp.Any]:
+  if not isinstance(values, tp.Mapping):
+    raise TypeError(
+        'intervene: values must be a mapping from sow name to a tuple of'
+        ' replacements (the layout capture returns) or a callable, got'
+        f' {type(values).__name__}.'
+    )
+  out = {}
+  for name, v in values.items():
+    if callable(v) and not isinstance(v, jax.Array):
+      out[name] = v
+    elif isinstance(v, (tuple, list)):
+      out[name] = Entries(tuple(v))
+    else:
+      raise TypeError(
+          f'intervene: values[{name!r}] must be a tuple with one replacement'
+          ' per sow (as capture returns it: wrap a single value as'
+          ' (value,)) or a callable fn(value) -> value, got'
+          f' {type(v).__name__}.'
+      )
+  return out
+
+
+def _state_to_values(values):
+  """A path-keyed ``nnx.State`` (as ``nnx.capture`` returns) as values."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from flax.nnx.sow import state as state_lib  # pylint: disable=g-import-not-at-top
+
+  if isinstance(values, nnx.State):
+    # Module.sow names are paths, also one-element ones.
+    return {
+        (k,) if isinstance(k, str) else k: v
+        for k, v in state_lib.state_to_collected(values).items()
+    }
+  return values
+
+
+def intervene(
+    f: tp.Callable[..., tp.Any],
+    values: tp.Mapping[Name, tp.Any],
+    *,
+    tags: tp.Iterable[tp.Hashable] | None = None,
+    strict: bool = True,
+) -> tp.Callable[..., tp.Any]:
+  """Transforms ``f`` so that named sows return replacements.
+
+  ``intervene(f, values)(*args, **kwargs)`` is ``f(*args, **kwargs)``,
+  except that every sow accepted by ``tags`` whose name is a key of
+  ``values`` returns its replacement instead of its own value; whatever
+  consumes the sown value (and any ``capture`` around) sees the
+  replacement. This is activation patching (Vig et al., 2020; Meng et al.,
+  2022) as a function transform.
+
+  >>> import jax.numpy as jnp
+  >>> from flax.nnx.sow import capture, intervene, sow
+  >>> def f(x):
+  ...   h = sow(x * 2, name='h')
+  ...   return h + 1
+  >>> intervene(f, {'h': (jnp.float32(10.0),)})(jnp.float32(1.0))
+  Array(11., dtype=float32)
+  >>> intervene(f, {'h': lambda h: -h})(jnp.float32(1.0))
+  Array(-1., dtype=float32)
+
+  Args:
+    f: the function; it may close over arrays and tracers.
+    values: a mapping from sow name to either a tuple in the layout
+      ``capture`` returns for that name (one entry per sow executed at top
+      level, one entry stacked along a new leading axis per sow site inside
+      ``lax.scan``/``fori_loop``/``lax.map``, entry ``i`` replacing iteration
+      ``i``; values sown under ``jax.vmap`` with the mapped axis first), or
+      a callable ``fn(value) -> value`` applied to every sown value of the
+      name (per example under ``vmap``, per iteration in loops). A
+      ``perturb`` name can be replaced (the primal value is). A path-keyed
+      ``nnx.State`` as ``nnx.capture`` returns is accepted too.
+    tags: ``None`` to replace sows of any tag, or an iterable of tags.
+    strict: reject names that no accepted sow uses and tuples whose length
+      is not the number of sows of their name.
+
+  Returns:
+    ``g`` with ``g(*args, **kwargs)`` returning what ``f`` returns.
+    Differentiable with respect to ``values``: the gradient at a replaced
+    entry equals the cotangent ``perturb`` collects at that sow.
+
+  Raises:
+    ValueError: a replacement whose structure, shape or dtype differs from
+      the sown value; a reduced name; with ``strict``, an unknown name or a
+      wrong number of entries; an array replacement for a sow inside
+      ``lax.while_loop`` (pass a callable).
+    TypeError: ``values`` or one of its entries of the wrong type.
+    NotImplementedError: a replaced sow inside a construct with no
+      intervene rule (e.g. ``shard_map``).
+  """
+  if not callable(f):
+    raise TypeError(
+        f'intervene: f must be callable, got {f!r} of type'
+        f' {type(f).__name__}.'
+    )
+  if tags is None:
+    accepts_key = None
+  elif isinstance(tags, (str, bytes)) or not isinstance(tags, tp.Iterable):
+    raise TypeError(
+        f'intervene: tags must be None or an iterable of tags, got {tags!r};'
+        f' write tags=({tags!r},) for one tag.'
+    )
+  else:
+    accepts_key = frozenset(tags)
+
+  inner = getattr(f, '_sow_captured', None)
+  if inner is None:
+    values = _normalize(_state_to_values(values))
+  if inner is not None:
+    # intervene(capture(g), v) is capture(intervene(g, v)): the capture
+    # collects the replaced values.
+    g, capture_tags = inner
+    return capture_transform(
+        intervene(g, values, tags=tags, strict=strict), tags=capture_tags
+    )
+
+  @functools.wraps(f)
+  def intervened(*args, **kwargs):
+    out, _ = graph_lib.functional_graph_call(
+        lambda pure_f, a, kw: (
+            _stage_and_intervene(pure_f, accepts_key, values, strict, a, kw),
+            None,
+        ),
+        f,
+        args,
+        kwargs,
+        tags=accepts_key,
+    )
+    return out
+
+  return intervened
+
+
+def _stage_and_intervene(f, accepts_key, values, strict, args, kwargs):
+  staged = stage(f, INTERVENING, args, kwargs)
+  injector = Injector(accepts_key, values, strict)
+  closed = staged.closed
+  injector.check_sites(closed.jaxpr)
+  outs = eval_intervening(closed.jaxpr, closed.consts, staged.arrays, injector)
+  injector.finish()
+  return staged.output(outs)

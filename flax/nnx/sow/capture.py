@@ -43,6 +43,7 @@ import numpy as np
 
 from flax.nnx.sow import _jax
 from flax.nnx.sow import graph as graph_lib
+from flax.nnx.sow import primitive as primitive_lib
 from flax.nnx.sow import reductions
 from flax.nnx.sow.reductions import Accumulator
 from flax.nnx.sow.reductions import Reduction
@@ -921,12 +922,87 @@ def capture(
           f' tag= of each sow), got tags={tags!r}.'
       ) from None
 
+  eager_calls = _EagerJitted(f, accepts_key)
+
   @functools.wraps(f)
   def captured(*args, **kwargs):
+    out = eager_calls(args, kwargs)
+    if out is not None:
+      return out
     return _capture_call(f, accepts_key, args, kwargs)
 
   captured._sow_captured = (f, tags)  # pylint: disable=protected-access
   return captured
+
+
+class _EagerJitted:
+  """Eager calls of ``capture(jax.jit(step))``, as ``jax.jit`` dispatches.
+
+  Called eagerly, ``capture(f)`` stages ``f`` and evaluates the rewritten
+  program at every call. When ``f`` is itself a ``jax.jit`` function (and
+  donates nothing), staging it runs none of the user's Python after the
+  first call anyway, so the capture is ``jax.jit(capture(f))``, compiled
+  once per argument structure and static values and dispatched by
+  ``jax.jit``'s fast path: the eager overhead of the rewrite goes away.
+  The compiled functions are kept per ``f`` (weakly), so a new
+  ``capture(f)`` of the same ``f`` reuses them.
+  """
+
+  _MAX_ENTRIES = 64
+  _cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+  _lock = threading.Lock()
+
+  def __init__(self, f, accepts_key):
+    info = getattr(f, '_jit_info', None)
+    self.enabled = (
+        info is not None
+        and not info.donate_argnums
+        and not info.donate_argnames
+    )
+    self.f = f
+    self.accepts_key = accepts_key
+
+  def __call__(self, args, kwargs):
+    if not self.enabled or not primitive_lib.is_eager():
+      return None
+    leaves, in_tree = jax.tree_util.tree_flatten(
+        (args, kwargs), is_leaf=graph_lib.is_graph_leaf
+    )
+    if any(graph_lib.is_graph_leaf(x) or _jax.is_ref(x) for x in leaves):
+      return None  # graph nodes and refs: their updates need the split path
+    mask = tuple(is_array(x) for x in leaves)
+    statics = tuple(x for x, a in zip(leaves, mask) if not a)
+    key = (self.accepts_key, in_tree, mask, statics)
+    per_f = self._cache.get(self.f)
+    try:
+      run = None if per_f is None else per_f.get(key)
+    except TypeError:  # an unhashable static leaf
+      return None
+    if run is None:
+      run = jax.jit(
+          functools.partial(
+              _run_captured,
+              weakref.ref(self.f),  # the cache must not keep f alive
+              self.accepts_key,
+              in_tree,
+              mask,
+              statics,
+          )
+      )
+      with self._lock:
+        per_f = self._cache.setdefault(self.f, {})
+        if len(per_f) >= self._MAX_ENTRIES:
+          per_f.pop(next(iter(per_f)))
+        per_f[key] = run
+    return run(*(x for x, a in zip(leaves, mask) if a))
+
+
+def _run_captured(f_ref, accepts_key, in_tree, mask, statics, *arrays):
+  f = f_ref()
+  arrays, statics = iter(arrays), iter(statics)
+  full = [next(arrays) if a else next(statics) for a in mask]
+  a, kw = jax.tree_util.tree_unflatten(in_tree, full)
+  return _capture_call(f, accepts_key, a, kw)
 
 
 def _capture_call(f, accepts_key, args, kwargs):

@@ -71,6 +71,8 @@ TRACE_KEY = jax.make_user_context(None)
 
 
 def is_graph_leaf(x) -> bool:
+  if isinstance(x, jax.Array):
+    return False  # the common case, answered without Flax's registry
   return _graphlib.is_graph_node(x) or isinstance(x, nnx.Variable)
 
 

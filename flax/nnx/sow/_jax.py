@@ -186,9 +186,13 @@ def eval_closed(closed: ClosedJaxpr, args: tp.Sequence[tp.Any]) -> list:
 def eval_fold(closed: ClosedJaxpr, args: tp.Sequence[tp.Any]) -> list:
   """:func:`eval_closed` for a ``reduce_fn`` traced at one site.
 
-  Inside ``shard_map`` the jaxpr may ``pvary`` the accumulator to the axes
-  the value varies over; an accumulator kept per shard already varies over
-  them, so such a ``pvary`` only adds the axes it does not vary over yet.
+  Inside ``shard_map`` the jaxpr was traced with the accumulator's type as
+  ``init_fn()`` gives it, invariant over the mesh, but an accumulator kept
+  per shard varies over mesh axes. So the fold is re-typed as JAX would
+  have traced it with the real types: a ``pvary`` only adds the axes its
+  operand does not vary over yet, and the operands of a first-order
+  primitive that vary over different axes are ``pvary``-ed to the union
+  (as ``jax.numpy`` does before binding).
   """
   env: dict[Var, tp.Any] = {}
 
@@ -207,6 +211,12 @@ def eval_fold(closed: ClosedJaxpr, args: tp.Sequence[tp.Any]) -> list:
       )
       outs = [core.pvary_p.bind(x, axes=axes) if axes else x]
     else:
+      if len(invals) > 1 and not any(
+          True for _ in jaxprs_in_params(eqn.params)
+      ):
+        vmas = {varying_axes(typeof(x)) for x in invals}
+        if len(vmas) > 1:
+          invals = list(core.auto_insert_reshard(*invals))
       outs = bind_equation(eqn, invals)
     env.update(zip(eqn.outvars, outs))
   return [as_value(read(v)) for v in jaxpr.outvars]
@@ -349,6 +359,24 @@ def varying_axes(aval) -> frozenset:
   """The manual mesh axes a value inside ``shard_map`` varies over."""
   mat = getattr(aval, 'mat', None)
   return frozenset(mat.varying) if mat is not None else frozenset()
+
+
+def pvary(x: tp.Any, axes: tp.Sequence[str]) -> tp.Any:
+  """``x`` marked as varying over the manual mesh ``axes`` (a no-op where
+  ``check_vma`` is off or it varies over them already)."""
+  missing = frozenset(axes) - varying_axes(typeof(x))
+  if not missing:
+    return x
+  return core.pvary(x, tuple(a for a in axes if a in missing))
+
+
+def vary_like(x: tp.Any, like: tp.Any) -> tp.Any:
+  """``x``, ``pvary``-ed to also vary over the manual axes ``like`` varies
+  over (inside ``shard_map`` with ``check_vma``; elsewhere ``x``)."""
+  missing = varying_axes(typeof(like)) - varying_axes(typeof(x))
+  if not missing:
+    return x
+  return core.pvary(x, tuple(missing))
 
 
 def wrap_batch_shard_map(wrapper: tp.Callable) -> None:

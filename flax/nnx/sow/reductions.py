@@ -242,13 +242,21 @@ def fold(
   ):
     closure = list(closure)[snap.n_init_closure :]
     leaves = _jax.eval_fold(snap.fold, [*closure, *acc.leaves, *value_leaves])
-    return leaves, snap.out_treedef
+    return _vary_like_acc(leaves, acc), snap.out_treedef
   new = reduction.reduce_fn(
       jax.tree_util.tree_unflatten(acc.treedef, acc.leaves),
       jax.tree_util.tree_unflatten(value_treedef, list(value_leaves)),
   )
   leaves, treedef = jax.tree_util.tree_flatten(new)
-  return leaves, treedef
+  return _vary_like_acc(leaves, acc), treedef
+
+
+def _vary_like_acc(leaves, acc: Accumulator) -> list:
+  """Inside ``shard_map``, an accumulator kept per shard stays per shard
+  (varying over its mesh axes) whatever ``reduce_fn`` returns."""
+  if len(leaves) != len(acc.leaves):
+    return list(leaves)  # the caller reports the changed structure
+  return [_jax.vary_like(x, a) for x, a in zip(leaves, acc.leaves)]
 
 
 def result_structure(reduce_fn, init, value):

@@ -36,11 +36,16 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import typing as tp
 
 import jax
 from jax.sharding import PartitionSpec
 
 from flax.nnx.sow import _jax
+
+# Its scan/cond batching rules must be installed before the ones below wrap
+# them.
+from flax.nnx.sow import batching as _batching_rules  # noqa: F401
 from flax.nnx.sow.capture import Collector
 from flax.nnx.sow.capture import accepts
 from flax.nnx.sow.capture import Layout
@@ -51,9 +56,11 @@ from flax.nnx.sow.capture import collect_rules
 from flax.nnx.sow.capture import construct_names
 from flax.nnx.sow.capture import eval_collecting
 from flax.nnx.sow.capture import site_annotations
+from flax.nnx.sow.capture import sow_sites
 from flax.nnx.sow.primitive import MARKER_KINDS
 from flax.nnx.sow.primitive import sow_p
 from flax.nnx.sow.primitive import staging_captures
+from flax.nnx.sow import reductions
 from flax.nnx.sow.reductions import Accumulator
 
 
@@ -100,7 +107,9 @@ def _shard_map_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
           ' from the inner one), or drop reduce_fn/init_fn to collect the'
           ' values.'
       )
-  specs = collector.reduced_specs_of([_annotate(eqn, s) for s in sites])
+  sites = [_annotate(eqn, s) for s in sites]
+  _start_accumulators(collector, eqn, sites)
+  specs = collector.reduced_specs_of(sites)
   rewritten = cached(
       body,
       (
@@ -126,6 +135,82 @@ def _shard_map_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
       eqn.replace(params=new_params), [*consts, *acc_in, *invals]
   )
   return collector.split_outputs(layout, outs, len(eqn.outvars))
+
+
+def _start_accumulators(collector: Collector, eqn: _jax.JaxprEqn, sites):
+  """Starts, one per shard, the accumulators of names new in this scope.
+
+  ``init_fn()`` was traced inside the ``shard_map`` body, so it runs there:
+  a ``shard_map`` with no inputs returns each shard's ``init_fn()`` with the
+  leading axes of the name (:class:`capture.ShardAxes`), laid out over the
+  mesh like the accumulator it starts. Names the collector already holds,
+  and those whose ``init_fn`` reads values traced in the body, are left to
+  :meth:`Collector.reduced_specs_of` (which continues or refuses them).
+  """
+  first: dict[tp.Any, SowSite] = {}
+  axes: dict[tp.Any, ShardAxes] = {}
+  for site in sites:
+    if site.reduction is None or site.kind in MARKER_KINDS:
+      continue
+    if site.name not in first:
+      first[site.name] = site
+      axes[site.name] = site.sharded
+    else:
+      both = axes[site.name].union(site.sharded)
+      axes[site.name] = both if both is not None else axes[site.name]
+  new = [
+      site
+      for name, site in first.items()
+      if name not in collector.accumulators
+      and name not in collector.plain_names
+      and not (
+          site.reduction.snapshot is not None
+          and site.reduction.snapshot.n_init_closure
+      )
+  ]
+  if not new:
+    return
+  p = eqn.params
+  treedefs = []
+
+  def init_body():
+    out = []
+    treedefs.clear()
+    for site in new:
+      acc = reductions.initial_accumulator(
+          site.reduction, site.eqn.params['treedef'], site.value_avals()
+      )
+      treedefs.append((acc.treedef, len(acc.leaves)))
+      names = axes[site.name].axes
+      for x in acc.leaves:
+        x = _jax.pvary(x, names)
+        out.append(x.reshape((1,) * len(names) + x.shape))
+    return out
+
+  with _jax.shard_map_context(
+      p['mesh'], p['newly_manual_axes'], p['check_vma']
+  ):
+    closed = _jax.trace_to_closed_jaxpr(init_body, [], 'shard_map_init')
+    jaxpr, consts = _jax.close_over_nothing(closed)
+  out_specs = tuple(
+      PartitionSpec(*axes[site.name].axes)
+      for site, (_, n) in zip(new, treedefs)
+      for _ in range(n)
+  )
+  params = dict(
+      p,
+      jaxpr=jaxpr,
+      in_specs=tuple(_jax.replicated_spec(_jax.typeof(c)) for c in consts),
+      out_specs=out_specs,
+  )
+  leaves = _jax.bind_equation(eqn.replace(params=params), consts)
+  pos = 0
+  for site, (treedef, n) in zip(new, treedefs):
+    collector.accumulators[site.name] = Accumulator(
+        treedef, tuple(leaves[pos : pos + n])
+    )
+    collector.sharded[site.name] = axes[site.name]
+    pos += n
 
 
 def _place(x, spec: PartitionSpec, mesh):
@@ -246,27 +331,70 @@ def _batched_by_outer_vmap(axis_data) -> bool:
   )
 
 
+def _vmap_error(name, where_='') -> NotImplementedError:
+  return NotImplementedError(
+      f'sow {name!r}{where_}: a plain sow inside a `jax.shard_map` (or'
+      ' `jax.pmap`) that `jax.vmap` maps over cannot be collected yet (its'
+      ' mapped axis would not come first). Move the vmap inside the'
+      ' shard_map body, put it around the capture'
+      ' (`jax.vmap(capture(f))`), sow the value after the shard_map returns'
+      ' it, or make it a reduced sow (reduce_fn/init_fn).'
+  )
+
+
+def _collected_now(tag, reduction, kind) -> bool:
+  """Whether a capture being staged collects a plain sow of ``tag``."""
+  return (
+      reduction is None
+      and kind not in MARKER_KINDS
+      and any(accepts(key, tag, None, kind) for key in staging_captures())
+  )
+
+
 def _sow_batch(original, axis_data, leaves, dims, **params):
   if (
       _batching.axes
       and params['effect']
-      and params['reduction'] is None
-      and params['kind'] not in MARKER_KINDS
+      and _collected_now(params['tag'], params['reduction'], params['kind'])
       and _batched_by_outer_vmap(axis_data)
-      and any(
-          accepts(key, params['tag'], None, params['kind'])
-          for key in staging_captures()
-      )
   ):
-    raise NotImplementedError(
-        f'sow {params["name"]!r}: a plain sow inside a `jax.shard_map` (or'
-        ' `jax.pmap`) that `jax.vmap` maps over cannot be collected yet (its'
-        ' mapped axis would not come first). Move the vmap inside the'
-        ' shard_map body, or sow the value after the shard_map returns it,'
-        ' or make it a reduced sow (reduce_fn/init_fn).'
-    )
+    raise _vmap_error(params['name'])
   return original(axis_data, leaves, dims, **params)
+
+
+def _loop_batch(original, axis_data, args, dims, **params):
+  """``scan``/``cond`` batching inside a vmapped ``shard_map`` body.
+
+  ``batching.py`` hoists the plain sows of a batched ``scan`` or ``cond``
+  out of it and sows them again with batch dimensions, which the sow's own
+  batching rule (``_sow_batch``) never sees; such a sow raises here.
+  """
+  if _batching.axes and _batched_by_outer_vmap(axis_data):
+    for sub in _jax.jaxprs_in_params(params):
+      for site in sow_sites(sub):
+        if site.eqn.params['effect'] and _collected_now(
+            site.tag, site.reduction, site.kind
+        ):
+          raise _vmap_error(site.name, site.where)
+  return original(axis_data, args, dims, **params)
+
+
+def _wrap_batcher(primitive, wrapper) -> None:
+  """``wrapper`` around the batching rule of ``primitive``, on top of the
+  one ``batching.py`` installs. Idempotent."""
+  rule = _jax.fancy_primitive_batchers[primitive]
+  if getattr(rule, '_sow_sharding_wrapped', False):
+    return
+
+  def wrapped(*args, **kwargs):
+    return wrapper(rule, *args, **kwargs)
+
+  wrapped._sow_wrapped = True  # pylint: disable=protected-access
+  wrapped._sow_sharding_wrapped = True  # pylint: disable=protected-access
+  _jax.fancy_primitive_batchers[primitive] = wrapped
 
 
 _jax.wrap_batch_shard_map(_batch_shard_map)
 _jax.wrap_rule(_jax.fancy_primitive_batchers, sow_p, _sow_batch)
+_wrap_batcher(_jax.scan_p, _loop_batch)
+_wrap_batcher(_jax.cond_p, _loop_batch)

@@ -58,6 +58,7 @@ from flax.nnx.sow.primitive import INTERVENING
 from flax.nnx.sow.primitive import Name
 from flax.nnx.sow.primitive import sow_p
 from flax.nnx.sow.primitive import staging_active
+from flax.nnx.sow.reductions import strong
 
 Rule = tp.Callable[['Injector', _jax.JaxprEqn, list[tp.Any]], list[tp.Any]]
 
@@ -106,13 +107,10 @@ class Injector:
       accepts_key,
       values: dict[Name, tp.Any],
       strict: bool,
-      *,
-      in_loop: bool = False,
   ):
     self.accepts_key = accepts_key
     self.values = values  # name -> callable | Entries
     self.strict = strict
-    self.in_loop = in_loop
     self.next: collections.Counter = collections.Counter()
     self.used: set[Name] = set()
 
@@ -150,27 +148,52 @@ class Injector:
       if not subs or not self.has_work(subs):
         continue
       if eqn.primitive is _jax.cond_p:
-        per_branch = [self.consumed(b.jaxpr) for b in p['branches']]
-        for name in set().union(*per_branch):
-          ns = [c[name] for c in per_branch]
-          if len(set(ns)) > 1:
-            site = next(
-                s
-                for b in p['branches']
-                for s in sow_sites(b.jaxpr)
-                if s.name == name
-            )
-            raise ValueError(
-                f'intervene: sow {name!r}{site.where}: the branches of'
-                f' `lax.cond`/`lax.switch` sow it {ns} times, so an entry of'
-                ' values cannot be matched to a sow. Pass a callable'
-                ' (values[name] = fn) instead.'
-            )
-          counts[name] += ns[0]
+        counts.update(self.branch_consumed(p['branches']))
       else:
         for sub in subs:
           counts.update(self.consumed(sub))
     return counts
+
+  def branch_consumed(self, branches) -> collections.Counter:
+    """:meth:`consumed` of one ``cond``/``switch``: whichever branch runs
+    must consume the same entries, or they could not be matched to sows."""
+    per_branch = [self.consumed(b.jaxpr) for b in branches]
+    counts: collections.Counter = collections.Counter()
+    for name in set().union(*per_branch):
+      ns = [c[name] for c in per_branch]
+      if len(set(ns)) > 1:
+        site = next(
+            s for b in branches for s in sow_sites(b.jaxpr) if s.name == name
+        )
+        raise ValueError(
+            f'intervene: sow {name!r}{site.where}: the branches of'
+            f' `lax.cond`/`lax.switch` sow it {ns} times, so an entry of'
+            ' values cannot be matched to a sow. Pass a callable'
+            ' (values[name] = fn) instead.'
+        )
+      counts[name] = ns[0]
+    return counts
+
+  def check_unbatched_loop(self, jaxpr: _jax.Jaxpr, construct: str) -> None:
+    """Array entries cannot replace a sow in a loop under ``jax.vmap``.
+
+    Its value carries the mapped axes inside the loop, but whether
+    ``capture`` stacks it ``(steps, batch, ...)`` (a vmap inside the body)
+    or ``(batch, steps, ...)`` (a vmap around the loop) is not in the body.
+    """
+    for s in sow_sites(jaxpr):
+      p = s.eqn.params
+      if (
+          self.targets(p)
+          and isinstance(self.values[s.name], Entries)
+          and p['batch_dims']
+      ):
+        raise ValueError(
+            f'intervene: sow {s.name!r}{s.where} is inside {construct} under'
+            ' `jax.vmap`, where an array replacement cannot be laid out'
+            ' unambiguously. Pass a callable (values[name] = fn, applied'
+            ' per example and iteration), or put the vmap around intervene.'
+        )
 
   def take(self, counts: collections.Counter, length: int | None = None):
     """The next ``counts[name]`` entries of each name, for a sub-jaxpr.
@@ -220,7 +243,7 @@ class Injector:
         ' returns them). Pass a tuple of that length, or a callable.'
     )
 
-  def inner(self, spec, leaves, *, in_loop: bool = False) -> Injector:
+  def inner(self, spec, leaves) -> Injector:
     """The injector of a sub-jaxpr given the entries ``take`` handed it."""
     values = {
         n: v for n, v in self.values.items() if not isinstance(v, Entries)
@@ -235,17 +258,13 @@ class Injector:
         pos += n
       values[name] = Entries(tuple(entries), offset)
     # Names whose entries this scope does not get are not replaced in it.
-    return Injector(
-        self.accepts_key, values, self.strict, in_loop=self.in_loop or in_loop
-    )
+    return Injector(self.accepts_key, values, self.strict)
 
   def rewrite(
       self,
       closed: _jax.ClosedJaxpr,
       spec,
       rep_avals: tp.Sequence[tp.Any],
-      *,
-      in_loop: bool = False,
   ) -> _jax.ClosedJaxpr:
     """``closed`` taking the replacement leaves as trailing inputs, with its
     sows replaced (cached per jaxpr, replacement layout and callables)."""
@@ -259,7 +278,6 @@ class Injector:
         fns,
         spec,
         tuple(rep_avals),
-        in_loop or self.in_loop,
         staging_active(),
     )
 
@@ -267,7 +285,7 @@ class Injector:
       n_in = len(closed.in_avals)
 
       def fn(*args):
-        inner = self.inner(spec, args[n_in:], in_loop=in_loop)
+        inner = self.inner(spec, args[n_in:])
         return eval_intervening(closed.jaxpr, closed.consts, args[:n_in], inner)
 
       return _jax.trace_to_closed_jaxpr(
@@ -296,13 +314,6 @@ class Injector:
         if self.strict:
           raise self._count_error(name, i + 1)
         return _jax.bind_equation(rebind, invals)
-      if self.in_loop and p['batch_dims']:
-        raise ValueError(
-            f'intervene: sow {name!r}{where(eqn)} is inside a loop under'
-            ' `jax.vmap`, where an array replacement cannot be laid out'
-            ' unambiguously. Pass a callable (values[name] = fn, applied'
-            ' per example and iteration), or put the vmap around intervene.'
-        )
       new = replacement.entries[i]
       label = f'values[{name!r}][{replacement.offset + i}]'
     else:
@@ -320,6 +331,12 @@ class Injector:
           ' A replacement must have the structure, shape and dtype of the'
           ' value it replaces (nothing is broadcast or cast).'
       )
+    # A weakly typed replacement (``jnp.full(3, 5.0)``) takes the sown
+    # value's strong type, so what it flows into is typed as in ``f``.
+    new_leaves = [
+        strong(x) if not _jax.typeof(a).weak_type else x
+        for x, a in zip(new_leaves, leaves)
+    ]
     return _jax.bind_equation(rebind, [*new_leaves, *closure])
 
   def check_sites(self, jaxpr: _jax.Jaxpr) -> None:
@@ -343,7 +360,9 @@ class Injector:
           f'intervene: no sow that this intervene accepts is named'
           f' {", ".join(map(repr, unused))}. Check the names (capture(f)'
           ' returns them) and tags, or pass strict=False to ignore names the'
-          ' program does not sow.'
+          ' program does not sow. (A sow that a capture inside f collects is'
+          ' gone before intervene sees it: write capture(intervene(g,'
+          ' values)) instead.)'
       )
 
   def finish(self) -> None:
@@ -425,13 +444,15 @@ def _unsupported(eqn, injector) -> NotImplementedError:
 # trailing operands.
 
 
-def _one_body(injector, closed, *, length=None, in_loop=False):
+def _one_body(injector, closed, *, length=None):
+  if length is not None:
+    injector.check_unbatched_loop(closed.jaxpr, '`lax.scan`')
   counts = injector.consumed(closed.jaxpr)
   leaves, spec = injector.take(counts, length)
   avals = [_jax.typeof(x) for x in leaves]
   if length is not None:
     avals = [_jax.ShapedArray(a.shape[1:], a.dtype) for a in avals]
-  new = injector.rewrite(closed, spec, avals, in_loop=in_loop)
+  new = injector.rewrite(closed, spec, avals)
   return new, leaves
 
 
@@ -483,7 +504,7 @@ def _remat_rule(injector, eqn, invals):
 
 def _scan_rule(injector, eqn, invals):
   p = eqn.params
-  new, reps = _one_body(injector, p['jaxpr'], length=p['length'], in_loop=True)
+  new, reps = _one_body(injector, p['jaxpr'], length=p['length'])
   new, consts = _hoisted(new)
   return _jax.scan_p.bind(
       *consts,
@@ -506,12 +527,8 @@ def _while_rule(injector, eqn, invals):
           ' is not known, so values[name] cannot be a tuple of arrays. Pass'
           ' a callable (values[name] = fn, applied at every iteration).'
       )
-  cond, cond_consts = _hoisted(
-      injector.rewrite(p['cond_jaxpr'], (), (), in_loop=True)
-  )
-  body, body_consts = _hoisted(
-      injector.rewrite(p['body_jaxpr'], (), (), in_loop=True)
-  )
+  cond, cond_consts = _hoisted(injector.rewrite(p['cond_jaxpr'], (), ()))
+  body, body_consts = _hoisted(injector.rewrite(p['body_jaxpr'], (), ()))
   nc, nb = p['cond_nconsts'], p['body_nconsts']
   return _jax.while_p.bind(
       *cond_consts,
@@ -531,11 +548,7 @@ def _while_rule(injector, eqn, invals):
 def _cond_rule(injector, eqn, invals):
   p = eqn.params
   branches = p['branches']
-  # Every branch consumes the same entries (``consumed`` checks the counts).
-  counts = injector.consumed(branches[0].jaxpr)
-  for b in branches[1:]:
-    counts.update({n: 0 for n in injector.consumed(b.jaxpr) if n not in counts})
-  leaves, spec = injector.take(counts)
+  leaves, spec = injector.take(injector.branch_consumed(branches))
   avals = [_jax.typeof(x) for x in leaves]
   new = tuple(injector.rewrite(b, spec, avals) for b in branches)
   new, consts = _branches_hoisted(new)
@@ -650,9 +663,13 @@ def _state_to_values(values):
   from flax.nnx.sow import state as state_lib  # pylint: disable=g-import-not-at-top
 
   if isinstance(values, nnx.State):
-    # Module.sow names are paths, also one-element ones.
+    # Module.sow names are paths, also one-element ones. An Intermediate
+    # holds a tuple of values (capture's layout); a Perturbation holds one
+    # value, the replacement of the one perturb of its path.
     return {
-        (k,) if isinstance(k, str) else k: v
+        (k,)
+        if isinstance(k, str)
+        else k: v if isinstance(v, tuple) or callable(v) else (v,)
         for k, v in state_lib.state_to_collected(values).items()
     }
   return values
@@ -729,9 +746,13 @@ def intervene(
     accepts_key = frozenset(tags)
 
   inner = getattr(f, '_sow_captured', None)
+  if inner is not None and getattr(f, '__wrapped__', None) is not inner[0]:
+    # Not capture's own function but one that copied its attributes (a
+    # functools.wraps decorator, jax.jit): intervene on it as it is.
+    inner = None
   if inner is None:
     values = _normalize(_state_to_values(values))
-  if inner is not None:
+  else:
     # intervene(capture(g), v) is capture(intervene(g, v)): the capture
     # collects the replaced values.
     g, capture_tags = inner
@@ -749,7 +770,9 @@ def intervene(
         f,
         args,
         kwargs,
-        tags=accepts_key,
+        # intervene collects nothing: a Module.sow inside is named here but
+        # recorded by an enclosing capture that accepts it (nnx.capture).
+        tags=(),
     )
     return out
 

@@ -1,0 +1,1113 @@
+# Copyright 2026 The Flax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""Tests of ``intervene``: sown values replaced, through every construct.
+
+Every expected value comes from the same computation written by hand as a
+function that takes the replacement as an argument (``f_with(x, r)``), never
+from a second call of ``intervene``. Gradients with respect to replacements
+are compared with ``jax.grad`` of those hand-written functions, and with the
+cotangents ``perturb`` collects at the same sites.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from absl.testing import absltest
+from absl.testing import parameterized
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flax.nnx.sow import capture
+from flax.nnx.sow import intervene
+from flax.nnx.sow import perturb
+from flax.nnx.sow import sow
+
+W = np.array(
+    [[0.5, -1.0, 0.25], [1.5, 0.75, -0.5], [-0.3, 0.2, 1.0]], np.float32
+)  # (3, 3)
+X = np.array([0.3, -1.2, 0.7], np.float32)  # (3,)
+XS = np.array([0.5, -1.0, 1.5, 0.25], np.float32)  # (4,) a loop's xs
+R1 = np.array([2.0, -0.5, 0.1], np.float32)
+R2 = np.array([-1.0, 0.25, 3.0], np.float32)
+
+
+def assert_close(actual, expected, rtol=1e-5, atol=1e-6):
+  """Same pytree structure and leaves equal up to float tolerance."""
+  a_leaves, a_tree = jax.tree_util.tree_flatten(actual)
+  e_leaves, e_tree = jax.tree_util.tree_flatten(expected)
+  assert a_tree == e_tree, f'structure {a_tree} != expected {e_tree}'
+  for a, e in zip(a_leaves, e_leaves):
+    np.testing.assert_allclose(
+        np.asarray(a), np.asarray(e), rtol=rtol, atol=atol
+    )
+
+
+def _primitive_names(jaxpr):
+  return [eqn.primitive.name for eqn in jaxpr.eqns]
+
+
+# ----------------------------------------------------------------------------
+# A two-layer program with two sows of one name, and the same by hand.
+
+
+def two_layers(x):
+  h = sow(jnp.tanh(x @ W), name='h')
+  g = sow(jnp.sin(h) * 2.0, name='h')
+  return jnp.sum(g**2) + jnp.sum(h)
+
+
+def two_layers_with(x, r1, r2):
+  del x  # every path from x goes through a replaced sow
+  return jnp.sum(r2**2) + jnp.sum(r1)
+
+
+def two_layers_plain(x):
+  h = jnp.tanh(x @ W)
+  return jnp.sum((jnp.sin(h) * 2.0) ** 2) + jnp.sum(h)
+
+
+class TopLevelTest(parameterized.TestCase):
+
+  def test_several_sows_of_one_name(self):
+    out = intervene(two_layers, {'h': (R1, R2)})(X)
+    assert_close(out, two_layers_with(X, R1, R2))
+    self.assertNotAlmostEqual(float(out), float(two_layers_plain(X)), 3)
+
+  def test_one_replacement_changes_what_follows(self):
+    def f(x):
+      h = sow(jnp.tanh(x @ W), name='h')
+      return sow(jnp.sin(h) * 2.0, name='g') * x
+
+    def f_with(x, r):
+      return jnp.sin(r) * 2.0 * x
+
+    assert_close(intervene(f, {'h': (R1,)})(X), f_with(X, R1))
+
+  def test_pytree_value(self):
+    def f(x):
+      d = sow({'a': x * 2.0, 'b': (x[0], x + 1.0)}, name='d')
+      return d['a'] * d['b'][0] + d['b'][1]
+
+    def f_with(x, r):
+      del x
+      return r['a'] * r['b'][0] + r['b'][1]
+
+    r = {'a': R1, 'b': (np.float32(4.0), R2)}
+    assert_close(intervene(f, {'d': (r,)})(X), f_with(X, r))
+
+  def test_callable_applied_to_every_sow(self):
+    def f_with(x, fn):
+      h = fn(jnp.tanh(x @ W))
+      g = fn(jnp.sin(h) * 2.0)
+      return jnp.sum(g**2) + jnp.sum(h)
+
+    fn = lambda v: -3.0 * v + 1.0
+    assert_close(intervene(two_layers, {'h': fn})(X), f_with(X, fn))
+
+  def test_other_names_and_tags_untouched(self):
+    def f(x):
+      a = sow(x * 2.0, name='a', tag='keep')
+      b = sow(x + 1.0, name='b', tag='patch')
+      c = sow(x - 1.0, name='b', tag='keep')
+      return a * b * c
+
+    def f_with(x, r):
+      return (x * 2.0) * r * (x - 1.0)
+
+    out = intervene(f, {'b': (R1,)}, tags=['patch'])(X)
+    assert_close(out, f_with(X, R1))
+
+  def test_python_scalar_entry(self):
+    def f(x):
+      return sow(jnp.sum(x), name='s') * x
+
+    assert_close(intervene(f, {'s': (2.5,)})(X), 2.5 * X)
+
+  def test_weakly_typed_entry_keeps_the_sown_type(self):
+    def f(x):
+      return sow(x * 2.0, name='h')
+
+    out = intervene(f, {'h': (jnp.full(3, 5.0),)})(X)
+    self.assertFalse(out.weak_type)
+    self.assertEqual(out.dtype, jnp.float32)
+    assert_close(out, np.full(3, 5.0, np.float32))
+
+  def test_strict_false_ignores_unknown_names(self):
+    out = intervene(two_layers, {'h': (R1, R2), 'absent': (R1,)}, strict=False)(
+        X
+    )
+    assert_close(out, two_layers_with(X, R1, R2))
+
+  def test_strict_false_replaces_the_first_sows(self):
+    # One entry for two sows: the first is replaced, the second runs.
+    def f_with(x, r1):
+      del x
+      return jnp.sum((jnp.sin(r1) * 2.0) ** 2) + jnp.sum(r1)
+
+    out = intervene(two_layers, {'h': (R1,)}, strict=False)(X)
+    assert_close(out, f_with(X, R1))
+
+  def test_fresh_lambdas_per_call(self):
+    # Each call's callable is used, not a rewrite cached for an earlier one
+    # (the sows are inside a jit, whose rewrite is cached).
+    g = jax.jit(two_layers)
+
+    def f_with(x, c):
+      h = jnp.tanh(x @ W) * c
+      return jnp.sum((jnp.sin(h) * 2.0 * c) ** 2) + jnp.sum(h)
+
+    for c in (1.0, 2.0, -0.5):
+      out = intervene(g, {'h': lambda v, c=c: v * c})(X)
+      assert_close(out, f_with(X, c))
+
+  def test_new_values_same_layout_not_recompiled(self):
+    calls = []
+
+    @jax.jit
+    def g(x):
+      calls.append(None)
+      return jnp.sum(sow(jnp.cos(x) * 3.0, name='h') * x)
+
+    compiles = []
+
+    def on_event(event, duration, **kwargs):
+      del duration, kwargs
+      if event == '/jax/core/compile/backend_compile_duration':
+        compiles.append(event)
+
+    assert_close(intervene(g, {'h': (R1,)})(X), np.sum(R1 * X))
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    try:
+      for r in (R2, R1 * 3.0):
+        assert_close(intervene(g, {'h': (r,)})(X), np.sum(r * X))
+    finally:
+      jax.monitoring.unregister_event_duration_listener(on_event)
+    self.assertLen(calls, 1)
+    self.assertEqual(compiles, [])
+
+  def test_outside_arguments_and_non_array_arguments(self):
+    def f(x, scale, training):
+      h = sow(x * scale, name='h')
+      return h + 1.0 if training else h
+
+    assert_close(intervene(f, {'h': (R1,)})(X, 2.0, True), R1 + 1.0)
+    assert_close(intervene(f, {'h': (R1,)})(X, 2.0, False), R1)
+
+
+# ----------------------------------------------------------------------------
+# jit
+
+
+class JitTest(absltest.TestCase):
+
+  def test_nested_jit_boundary_kept(self):
+    @jax.jit
+    def inner(x):
+      return sow(jnp.tanh(x @ W), name='h') * 2.0
+
+    @jax.jit
+    def outer(x):
+      return jnp.sin(sow(inner(x) + x, name='g'))
+
+    def outer_with(x, rh, rg):
+      del x, rh  # rh flows only into the replaced g
+      return jnp.sin(rg)
+
+    def outer_with_h(x, rh):
+      return jnp.sin(rh * 2.0 + x)
+
+    values = {'h': (R1,), 'g': (R2,)}
+    assert_close(intervene(outer, values)(X), outer_with(X, R1, R2))
+    assert_close(intervene(outer, {'h': (R1,)})(X), outer_with_h(X, R1))
+    jaxpr = jax.make_jaxpr(intervene(outer, {'h': (R1,)}))(X)
+    (outer_eqn,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == 'jit']
+    self.assertIn('jit', _primitive_names(outer_eqn.params['jaxpr'].jaxpr))
+
+  def test_transforms_around_intervene(self):
+    def f(x):
+      h = sow(jnp.tanh(x @ W), name='h')
+      return jnp.sum(jnp.sin(h) * x)
+
+    def f_with(x, r):
+      return jnp.sum(jnp.sin(r) * x)
+
+    g = lambda x, r: intervene(f, {'h': (r,)})(x)
+    assert_close(jax.jit(g)(X, R1), f_with(X, R1))
+    assert_close(jax.grad(g)(X, R1), jax.grad(f_with)(X, R1))
+    assert_close(jax.grad(g, 1)(X, R1), jnp.cos(R1) * X)
+    xs, rs = np.stack([X, 2 * X]), np.stack([R1, R2])
+    assert_close(jax.vmap(g)(xs, rs), jax.vmap(f_with)(xs, rs))
+    assert_close(
+        jax.vmap(g, (0, None))(xs, R1), jax.vmap(f_with, (0, None))(xs, R1)
+    )
+
+  def test_closure_over_enclosing_jit_tracers(self):
+    def f_with(x, s, r):
+      return jnp.sum(jax.lax.scan(lambda c, y: (c + r * s, None), 0.0, x)[0])
+
+    @jax.jit
+    def run(x, s):
+      # f closes over s; the callable and the array replacement do too.
+      @jax.jit
+      def inner(y):
+        return sow(y * s, name='h')
+
+      def f(xs):
+        def step(c, y):
+          return c + inner(y) * s, None
+
+        return jax.lax.scan(step, 0.0, xs)[0]
+
+      by_fn = intervene(f, {'h': lambda v: v + s})(x)
+      by_array = intervene(f, {'h': (x * s - 1.0,)})(x)
+      return by_fn, by_array
+
+    s = np.float32(1.5)
+    by_fn, by_array = run(XS, s)
+    # Iteration i sows y_i * s; the callable adds s; the array gives
+    # x_i * s - 1.
+    assert_close(by_fn, np.sum((XS * s + s) * s))
+    assert_close(by_array, np.sum((XS * s - 1.0) * s))
+
+
+# ----------------------------------------------------------------------------
+# Loops
+
+
+def cumulative(xs):
+  def step(c, x):
+    h = sow(jnp.tanh(c + x), name='h')
+    return c + 2.0 * h, h * x
+
+  return jax.lax.scan(step, 0.25, xs)
+
+
+def cumulative_with(xs, rs, reverse=False):
+  """``cumulative`` by hand; iteration ``i`` (over ``xs[i]``) uses ``rs[i]``."""
+  c = np.float32(0.25)
+  ys = [None] * len(xs)
+  order = range(len(xs) - 1, -1, -1) if reverse else range(len(xs))
+  for i in order:
+    c = c + 2.0 * rs[i]
+    ys[i] = rs[i] * xs[i]
+  return c, np.stack(ys)
+
+
+class LoopTest(parameterized.TestCase):
+
+  RS = np.array([1.0, -2.0, 0.5, 3.0], np.float32)
+
+  def test_scan_entry_i_replaces_iteration_i(self):
+    out = intervene(cumulative, {'h': (self.RS,)})(XS)
+    assert_close(out, cumulative_with(XS, self.RS))
+
+  def test_scan_reverse(self):
+    def rev(xs):
+      def step(c, x):
+        h = sow(jnp.tanh(c + x), name='h')
+        return c + 2.0 * h, h * x
+
+      return jax.lax.scan(step, 0.25, xs, reverse=True)
+
+    out = intervene(rev, {'h': (self.RS,)})(XS)
+    assert_close(out, cumulative_with(XS, self.RS, reverse=True))
+    # The carry depends on the order: the final carry is the same sum, the
+    # entries are where they belong.
+    _, collected = capture(intervene(rev, {'h': (self.RS,)}))(XS)
+    assert_close(collected['h'], (self.RS,))
+
+  def test_scan_callable_per_iteration(self):
+    def cumulative_fn(xs, fn):
+      c, ys = np.float32(0.25), []
+      for x in xs:
+        h = fn(np.tanh(c + x))
+        c, ys = c + 2.0 * h, ys + [h * x]
+      return c, np.stack(ys)
+
+    fn = lambda h: h * h - 1.0
+    out = intervene(cumulative, {'h': fn})(XS)
+    assert_close(out, cumulative_fn(XS, fn))
+
+  def test_two_sites_in_a_scan_and_a_top_level_sow(self):
+    def f(xs):
+      a = sow(xs * 2.0, name='h')
+
+      def step(c, x):
+        u = sow(x + c, name='h')
+        v = sow(u * 3.0, name='h')
+        return c + v, u
+
+      return jax.lax.scan(step, jnp.sum(a), xs)
+
+    def f_with(xs, ra, ru, rv):
+      c = np.sum(ra)
+      ys = []
+      for i in range(len(xs)):
+        c, ys = c + rv[i], ys + [ru[i]]
+      return c, np.stack(ys)
+
+    ra, ru, rv = XS * 5.0, self.RS, self.RS[::-1].copy()
+    out = intervene(f, {'h': (ra, ru, rv)})(XS)
+    assert_close(out, f_with(XS, ra, ru, rv))
+
+  def test_fori_loop_static_bounds(self):
+    def f(x):
+      return jax.lax.fori_loop(0, 4, lambda i, c: sow(c * 2.0, name='h') + i, x)
+
+    def f_with(x, rs):
+      c = x
+      for i in range(4):
+        c = rs[i] + i
+      return c
+
+    assert_close(intervene(f, {'h': (self.RS,)})(X[0]), f_with(X[0], self.RS))
+
+  def test_lax_map(self):
+    def f(xs):
+      return jax.lax.map(lambda x: jnp.sin(sow(x * 2.0, name='h')), xs)
+
+    assert_close(intervene(f, {'h': (self.RS,)})(XS), np.sin(self.RS))
+
+  def test_nested_scans(self):
+    def f(xs, ys):
+      def outer(c, x):
+        def inner(c2, y):
+          h = sow(x * y + c2, name='h')
+          return c2 + h, h * 2.0
+
+        c2, hs = jax.lax.scan(inner, 0.0, ys)
+        return c + c2, hs
+
+      return jax.lax.scan(outer, 0.0, xs)
+
+    def f_with(xs, ys, r):  # r: (outer, inner)
+      del xs, ys
+      return np.sum(r), r * 2.0
+
+    ys = np.array([1.0, -1.0, 2.0], np.float32)
+    r = np.arange(12.0, dtype=np.float32).reshape(4, 3)
+    assert_close(intervene(f, {'h': (r,)})(XS, ys), f_with(XS, ys, r))
+
+  def test_jit_and_cond_inside_scan(self):
+    @jax.jit
+    def inner(c, x):
+      return sow(jnp.tanh(c * x), name='h')
+
+    def f(xs):
+      def step(c, x):
+        h = inner(c, x)
+        g = jax.lax.cond(
+            x > 0,
+            lambda: sow(h + 1.0, name='g'),
+            lambda: sow(h - 1.0, name='g'),
+        )
+        return c + g, g
+
+      return jax.lax.scan(step, 0.5, xs)
+
+    def f_with(xs, rh, rg):
+      del rh  # only g feeds what follows, and g is replaced too
+      return 0.5 + np.sum(rg), rg
+
+    def f_with_h(xs, rh):
+      c, ys = np.float32(0.5), []
+      for i, x in enumerate(xs):
+        g = rh[i] + 1.0 if x > 0 else rh[i] - 1.0
+        c, ys = c + g, ys + [g]
+      return c, np.stack(ys)
+
+    rh, rg = self.RS, self.RS * 10.0
+    assert_close(intervene(f, {'h': (rh,), 'g': (rg,)})(XS), f_with(XS, rh, rg))
+    assert_close(intervene(f, {'h': (rh,)})(XS), f_with_h(XS, rh))
+
+  def test_while_loop_callable(self):
+    def f(x):
+      return jax.lax.while_loop(
+          lambda c: c < 50.0, lambda c: sow(c * 2.0, name='h') + 1.0, x
+      )
+
+    def f_with(x, fn):
+      c = x
+      while c < 50.0:
+        c = fn(c * 2.0) + 1.0
+      return c
+
+    fn = lambda v: v * 1.5
+    out = intervene(f, {'h': fn})(np.float32(1.0))
+    assert_close(out, f_with(np.float32(1.0), fn))
+
+  def test_fori_loop_traced_bounds_callable(self):
+    def f(x, n):
+      return jax.lax.fori_loop(
+          0, n, lambda i, c: sow(c + 1.0, name='h') * 2.0, x
+      )
+
+    # h -> h + 3 each of n = 3 iterations: c -> (c + 4) * 2.
+    c = np.float32(0.5)
+    for _ in range(3):
+      c = (c + 4.0) * 2.0
+    out = intervene(f, {'h': lambda v: v + 3.0})(np.float32(0.5), jnp.int32(3))
+    assert_close(out, c)
+
+
+# ----------------------------------------------------------------------------
+# Branches
+
+
+class CondTest(parameterized.TestCase):
+
+  @parameterized.parameters(1.0, -1.0)
+  def test_cond_taken_branch_replaced(self, sign):
+    def f(x):
+      return jax.lax.cond(
+          jnp.sum(x) > 0,
+          lambda x: jnp.sin(sow(x * 2.0, name='h')),
+          lambda x: jnp.cos(sow(x * 3.0, name='h')),
+          x,
+      )
+
+    def f_with(x, r):
+      return np.sin(r) if np.sum(x) > 0 else np.cos(r)
+
+    x = sign * np.abs(X)
+    assert_close(intervene(f, {'h': (R1,)})(x), f_with(x, R1))
+    assert_close(jax.jit(intervene(f, {'h': (R1,)}))(x), f_with(x, R1))
+
+  @parameterized.parameters(0, 1, 2)
+  def test_switch(self, index):
+    branches = [
+        lambda x: sow(x, name='h') * 1.0,
+        lambda x: sow(x + 1.0, name='h') * 2.0,
+        lambda x: sow(x + 2.0, name='h') * 3.0,
+    ]
+
+    def f(i, x):
+      return jax.lax.switch(i, branches, x)
+
+    def f_with(i, x, r):
+      del x
+      return r * (i + 1.0)
+
+    out = intervene(f, {'h': (R1,)})(jnp.int32(index), X)
+    assert_close(out, f_with(index, X, R1))
+
+  def test_branches_sowing_differently_with_callable(self):
+    def f(x):
+      return jax.lax.cond(
+          jnp.sum(x) > 0,
+          lambda x: sow(x, name='h') * 2.0,
+          lambda x: x * 3.0,
+          x,
+      )
+
+    fn = lambda v: v + 10.0
+    assert_close(intervene(f, {'h': fn})(np.abs(X)), (np.abs(X) + 10.0) * 2.0)
+    assert_close(intervene(f, {'h': fn})(-np.abs(X)), -np.abs(X) * 3.0)
+
+
+# ----------------------------------------------------------------------------
+# remat and custom derivative rules
+
+
+class RematTest(absltest.TestCase):
+
+  def test_checkpoint_value_and_grad(self):
+    def f(x):
+      return jnp.sum(
+          jax.checkpoint(lambda x: jnp.sin(sow(x * 2.0, name='h')) * x)(x)
+      )
+
+    def f_with(x, r):
+      return jnp.sum(jnp.sin(r) * x)
+
+    g = lambda x, r: intervene(f, {'h': (r,)})(x)
+    assert_close(g(X, R1), f_with(X, R1))
+    assert_close(jax.grad(g)(X, R1), np.sin(R1))
+    assert_close(jax.grad(g, 1)(X, R1), np.cos(R1) * X)
+    # The checkpoint is kept (primitive ``remat2``), also under grad.
+    for jaxpr in (jax.make_jaxpr(g)(X, R1), jax.make_jaxpr(jax.grad(g))(X, R1)):
+      self.assertIn('remat2', _primitive_names(jaxpr.jaxpr))
+
+  def test_checkpoint_callable_under_grad(self):
+    def f(x):
+      return jnp.sum(
+          jax.checkpoint(lambda x: jnp.sin(sow(x * 2.0, name='h')))(x)
+      )
+
+    def f_with(x):
+      return jnp.sum(jnp.sin((x * 2.0) ** 2))
+
+    g = lambda x: intervene(f, {'h': lambda v: v * v})(x)
+    assert_close(g(X), f_with(X))
+    assert_close(jax.grad(g)(X), jax.grad(f_with)(X))
+
+
+@jax.custom_jvp
+def sowing_fn(x):
+  return jnp.sin(sow(x * 2.0, name='inside'))
+
+
+@sowing_fn.defjvp
+def _sowing_fn_jvp(primals, tangents):
+  (x,), (t,) = primals, tangents
+  return sowing_fn(x), 100.0 * t  # the custom rule, not d/dx sin(2x)
+
+
+@jax.custom_vjp
+def sowing_vjp(x):
+  return jnp.sin(sow(x * 2.0, name='inside'))
+
+
+sowing_vjp.defvjp(lambda x: (sowing_vjp(x), None), lambda _, g: (-7.0 * g,))
+
+
+class CustomRuleTest(parameterized.TestCase):
+
+  def test_relu_custom_rule_kept_for_tangents(self):
+    def f(x):
+      return jnp.sum(jax.nn.relu(sow(x - 1.0, name='h')) * 3.0)
+
+    def f_with(x, r):
+      del x
+      return jnp.sum(jax.nn.relu(r) * 3.0)
+
+    r = np.array([0.0, 2.0, -1.0], np.float32)  # relu'(0) = 0 by its rule
+    g = lambda r: intervene(f, {'h': (r,)})(X)
+    assert_close(g(r), f_with(X, r))
+    assert_close(jax.grad(g)(r), np.array([0.0, 3.0, 0.0], np.float32))
+    assert_close(jax.grad(g)(r), jax.grad(f_with, 1)(X, r))
+    jaxpr = jax.make_jaxpr(g)(r)
+    self.assertIn('custom_jvp_call', _primitive_names(jaxpr.jaxpr))
+
+  @parameterized.named_parameters(
+      ('custom_jvp', sowing_fn, 'custom_jvp_call', 100.0),
+      ('custom_vjp', sowing_vjp, 'custom_vjp_call', -7.0),
+  )
+  def test_sow_inside_custom_rule(self, fn, primitive, slope):
+    g = lambda x: jnp.sum(intervene(fn, {'inside': (R1,)})(x))
+    assert_close(g(X), np.sum(np.sin(R1)))
+    # The custom rule gives the derivative with respect to x.
+    assert_close(jax.grad(g)(X), np.full(3, slope, np.float32))
+    self.assertIn(primitive, _primitive_names(jax.make_jaxpr(g)(X).jaxpr))
+    # A callable inside the custom function.
+    out = intervene(fn, {'inside': lambda v: v + 1.0})(X)
+    assert_close(out, np.sin(X * 2.0 + 1.0))
+
+
+# ----------------------------------------------------------------------------
+# vmap inside f
+
+
+class VmapInsideTest(absltest.TestCase):
+
+  def test_mapped_axis_first(self):
+    def f(m):  # maps over the columns of m
+      return jax.vmap(
+          lambda col: jnp.sum(sow(col * 2.0, name='h') ** 2),
+          in_axes=1,
+      )(m)
+
+    def f_with(m, r):  # r: (columns, rows), the mapped axis first
+      del m
+      return np.sum(r**2, axis=1)
+
+    r = np.arange(9.0, dtype=np.float32).reshape(3, 3) - 4.0
+    assert_close(intervene(f, {'h': (r,)})(W), f_with(W, r))
+
+  def test_value_not_varying_over_the_map(self):
+    def f(xs):
+      return jax.vmap(lambda x: x * sow(jnp.float32(2.0), name='c'))(xs)
+
+    r = np.array([1.0, 2.0, 3.0, 4.0], np.float32)  # one per example
+    assert_close(intervene(f, {'c': (r,)})(XS), XS * r)
+
+  def test_callable_per_example(self):
+    def f(m):
+      return jax.vmap(lambda row: sow(row @ W, name='h'))(m)
+
+    # Per example, v - mean(v) centres each row; over the batch it would
+    # centre the whole matrix.
+    out = intervene(f, {'h': lambda v: v - jnp.mean(v)})(W)
+    rows = W @ W
+    assert_close(out, rows - rows.mean(axis=1, keepdims=True))
+
+  def test_callable_in_a_loop_under_vmap(self):
+    def f(xss):
+      return jax.vmap(cumulative)(xss)
+
+    fn = lambda h: h * 0.5 + 1.0
+
+    def by_hand(xs):
+      c, ys = np.float32(0.25), []
+      for x in xs:
+        h = fn(np.tanh(c + x))
+        c, ys = c + 2.0 * h, ys + [h * x]
+      return c, np.stack(ys)
+
+    xss = np.stack([XS, XS[::-1]])
+    c, ys = intervene(f, {'h': fn})(xss)
+    expected = [by_hand(xs) for xs in xss]
+    assert_close(c, np.stack([e[0] for e in expected]))
+    assert_close(ys, np.stack([e[1] for e in expected]))
+
+  def test_array_in_a_loop_under_vmap_raises(self):
+    def f(xss):
+      return jax.vmap(cumulative)(xss)
+
+    xss = np.stack([XS, XS[::-1]])
+    for r in (np.zeros((2, 4), np.float32), np.zeros((4, 2), np.float32)):
+      with self.assertRaisesRegex(
+          ValueError, r"sow 'h' .*`lax.scan` under `jax.vmap`.*callable"
+      ):
+        intervene(f, {'h': (r,)})(xss)
+
+  def test_vmap_around_intervene_in_a_loop(self):
+    rs = np.stack([LoopTest.RS, -LoopTest.RS])
+    xss = np.stack([XS, XS * 2.0])
+    c, ys = jax.vmap(lambda xs, r: intervene(cumulative, {'h': (r,)})(xs))(
+        xss, rs
+    )
+    for i in range(2):
+      ec, eys = cumulative_with(xss[i], rs[i])
+      assert_close((c[i], ys[i]), (ec, eys))
+
+
+# ----------------------------------------------------------------------------
+# Gradients with respect to the replacements
+
+
+def _marked_programs(mark):
+  """Programs whose marked sites do not depend on one another.
+
+  ``mark(value, name)`` is ``sow`` or ``perturb``. With independent sites
+  the gradient with respect to one replaced site, the others replaced by
+  their own values, is the total derivative ``perturb`` collects.
+  """
+
+  def top(x):
+    h = mark(jnp.tanh(x @ W), 'h')
+    g = mark(jnp.sin(x) * 2.0, 'h')
+    return jnp.sum((g * h) ** 2)
+
+  def in_jit(x):
+    return jax.jit(top)(x)
+
+  def in_scan(xs):
+    def step(c, x):
+      h = mark(jnp.tanh(x + 1.0), 'h')
+      return c * h + h, None
+
+    return jnp.sum(jax.lax.scan(step, 0.5, xs)[0] ** 2)
+
+  def cond_in_scan(xs):
+    def step(c, x):
+      h = jax.lax.cond(
+          x > 0.4, lambda: mark(jnp.tanh(x), 'h'), lambda: mark(x * 3.0, 'h')
+      )
+      return c * h + h, None
+
+    return jnp.sum(jax.lax.scan(step, 0.5, xs)[0] ** 2)
+
+  def in_checkpoint(x):
+    return jax.checkpoint(top)(x)
+
+  def in_vmap(x):
+    return jnp.sum(jax.vmap(lambda r: mark(jnp.tanh(r @ x), 'h'))(W) ** 3)
+
+  return dict(
+      top=top,
+      in_jit=in_jit,
+      in_scan=in_scan,
+      cond_in_scan=cond_in_scan,
+      in_checkpoint=in_checkpoint,
+      in_vmap=in_vmap,
+  )
+
+
+_SOWING = _marked_programs(lambda v, n: sow(v, name=n))
+_PERTURBED = _marked_programs(lambda v, n: perturb(v, name=n))
+
+
+class GradientTest(parameterized.TestCase):
+
+  def test_grad_matches_hand_written(self):
+    g = lambda r1, r2: intervene(two_layers, {'h': (r1, r2)})(X)
+    assert_close(
+        jax.grad(g, (0, 1))(R1, R2),
+        jax.grad(two_layers_with, (1, 2))(X, R1, R2),
+    )
+    # A loop: d/d rs of cumulative's final carry and sum of ys.
+    loss = lambda rs: jnp.sum(intervene(cumulative, {'h': (rs,)})(XS)[1]) + (
+        intervene(cumulative, {'h': (rs,)})(XS)[0]
+    )
+    assert_close(jax.grad(loss)(LoopTest.RS), XS + 2.0)
+
+  @parameterized.named_parameters(*[(k, k) for k in _SOWING])
+  def test_grad_equals_perturb_cotangent(self, program):
+    x = XS[:3] if program in ('in_scan', 'cond_in_scan') else X
+    _, collected = capture(_SOWING[program])(x)
+    v0 = collected['h']  # the program's own values: the same point
+    loss = lambda v: intervene(_SOWING[program], {'h': v})(x)
+    _, cotangents = capture(jax.grad(_PERTURBED[program]))(x)
+    grads = jax.grad(loss)(v0)
+    self.assertLen(grads, len(cotangents['h']))
+    assert_close(grads, cotangents['h'], rtol=1e-5, atol=1e-5)
+    assert_close(jax.jit(jax.grad(loss))(v0), cotangents['h'], atol=1e-5)
+
+
+# ----------------------------------------------------------------------------
+# capture and intervene together; patching one run into another
+
+
+class CaptureCompositionTest(absltest.TestCase):
+
+  def test_capture_of_intervene_collects_replaced_values(self):
+    out, collected = capture(intervene(two_layers, {'h': (R1, R2)}))(X)
+    assert_close(out, two_layers_with(X, R1, R2))
+    self.assertEqual(list(collected), ['h'])
+    assert_close(collected['h'], (R1, R2))
+
+  def test_intervene_of_capture_collects_replaced_values(self):
+    out, collected = intervene(capture(two_layers), {'h': (R1, R2)})(X)
+    assert_close(out, two_layers_with(X, R1, R2))
+    assert_close(collected['h'], (R1, R2))
+
+  def test_callable_replacement_collected(self):
+    def f(x):
+      h = sow(jnp.tanh(x @ W), name='h')
+      return sow(h * 2.0, name='g')
+
+    fn = lambda v: v + 1.0
+    out, collected = capture(intervene(f, {'h': fn}))(X)
+    h = np.tanh(X @ W) + 1.0
+    assert_close(out, h * 2.0)
+    self.assertEqual(list(collected), ['h', 'g'])
+    assert_close(collected['h'], (h,))
+    assert_close(collected['g'], (h * 2.0,))
+
+  def test_capture_in_a_loop_collects_replaced_values(self):
+    _, collected = capture(intervene(cumulative, {'h': (LoopTest.RS,)}))(XS)
+    assert_close(collected['h'], (LoopTest.RS,))
+
+  def test_patch_from_another_run(self):
+    def f(x):
+      h = sow(jnp.tanh(x @ W), name=('layer', 0))
+      g = sow(jnp.sin(h) @ W, name=('layer', 1))
+      return jnp.sum(g**2)
+
+    def f_plain(x):
+      return jnp.sum((jnp.sin(jnp.tanh(x @ W)) @ W) ** 2)
+
+    clean, corrupt = X, X[::-1] * 2.0
+    _, collected = capture(f)(clean)
+    patched = intervene(f, collected)(corrupt)
+    assert_close(patched, f_plain(clean))
+    # Only layer 0 from the clean run: the rest is computed from it.
+    patched = intervene(f, {('layer', 0): collected[('layer', 0)]})(corrupt)
+    assert_close(patched, f_plain(clean))
+
+  def test_patch_from_another_run_in_a_loop(self):
+    clean, corrupt = XS, XS * -3.0
+    _, collected = capture(cumulative)(clean)
+    c, ys = intervene(cumulative, collected)(corrupt)
+    (h,) = collected['h']
+    ec, eys = cumulative_with(corrupt, np.asarray(h))
+    assert_close((c, ys), (ec, eys))
+    # The carry depends only on the patched values: as in the clean run.
+    assert_close(c, cumulative(clean)[0])
+
+  def test_decorated_capture_is_not_taken_for_capture(self):
+    # A wrapper that copied capture's attributes (functools.wraps) changes
+    # the output; intervene must not skip it.
+    def double_output(fn):
+      @functools.wraps(fn)
+      def wrapper(*args):
+        out, collected = fn(*args)
+        return out * 100.0, collected
+
+      return wrapper
+
+    with self.assertRaisesRegex(ValueError, r"named 'h'.*capture\(intervene"):
+      intervene(double_output(capture(two_layers)), {'h': (R1, R2)})(X)
+    out, _ = capture(intervene(two_layers, {'h': (R1, R2)}))(X)
+    assert_close(out, two_layers_with(X, R1, R2))
+
+
+# ----------------------------------------------------------------------------
+# perturb names
+
+
+class PerturbTest(absltest.TestCase):
+
+  def loss(self, x):
+    h = perturb(jnp.tanh(x @ W), name='h')
+    return jnp.sum(h**2 * x)
+
+  def loss_with(self, x, r):
+    return jnp.sum(r**2 * x)
+
+  def test_primal_replaced(self):
+    assert_close(intervene(self.loss, {'h': (R1,)})(X), self.loss_with(X, R1))
+
+  def test_cotangent_at_the_replacement(self):
+    loss = lambda r: intervene(self.loss, {'h': (r,)})(X)
+    grad_r, collected = capture(jax.grad(loss))(R1)
+    # d loss / d h at the replacement, collected by perturb and returned.
+    assert_close(grad_r, 2.0 * R1 * X)
+    assert_close(collected['h'], (2.0 * R1 * X,))
+    # x reaches the loss only directly once h is replaced.
+    grad_x = jax.grad(intervene(self.loss, {'h': (R1,)}))(X)
+    assert_close(grad_x, R1**2)
+
+
+# ----------------------------------------------------------------------------
+# NNX graph nodes and nnx.capture States
+
+
+class Counter(nnx.Module):
+
+  def __init__(self):
+    self.count = nnx.Variable(jnp.zeros((), jnp.int32))
+    self.w = nnx.Param(jnp.asarray(W))
+
+  def __call__(self, x):
+    self.count[...] += 1
+    return jnp.sum(sow(x @ self.w[...], name='h') ** 2)
+
+
+class BatchNormNet(nnx.Module):
+
+  def __init__(self):
+    self.linear = nnx.Linear(3, 4, rngs=nnx.Rngs(0))
+    self.bn = nnx.BatchNorm(4, rngs=nnx.Rngs(1))
+
+  def __call__(self, x):
+    return self.bn(sow(self.linear(x), name='pre'))
+
+
+class PerturbedNet(nnx.Module):
+
+  def __init__(self):
+    self.linear = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+
+  def __call__(self, x):
+    h = self.perturb('h', self.linear(x))
+    self.sow(nnx.Intermediate, 'i', h * 2.0)
+    return jnp.sum(h**2)
+
+
+class NnxTest(absltest.TestCase):
+
+  def test_counter_updated(self):
+    model = Counter()
+    out = intervene(lambda m, x: m(x), {'h': (R1,)})(model, X)
+    assert_close(out, np.sum(R1**2))
+    self.assertEqual(int(model.count[...]), 1)
+    step = nnx.jit(
+        lambda m, x: intervene(lambda m, x: m(x), {'h': (R1,)})(m, x)
+    )
+    assert_close(step(model, X), np.sum(R1**2))
+    self.assertEqual(int(model.count[...]), 2)
+
+  def test_batch_norm_statistics_from_the_replacement(self):
+    net = BatchNormNet()
+    x = np.arange(6.0, dtype=np.float32).reshape(2, 3)
+    r = np.array([[1.0, -2.0, 0.5, 3.0], [0.0, 4.0, -1.5, 1.0]], np.float32)
+    out = intervene(lambda net, x: net(x), {'pre': (r,)})(net, x)
+    mean, var = r.mean(0), r.var(0)
+    assert_close(out, (r - mean) / np.sqrt(var + 1e-5), rtol=1e-4, atol=1e-5)
+    # Running statistics (momentum 0.99) moved towards the replacement's.
+    assert_close(net.bn.mean[...], 0.01 * mean, atol=1e-6)
+    assert_close(net.bn.var[...], 0.99 + 0.01 * var, atol=1e-6)
+
+  def _kernel_and_bias(self, net):
+    return np.asarray(net.linear.kernel[...]), np.asarray(net.linear.bias[...])
+
+  def test_intermediate_state_as_values(self):
+    net = PerturbedNet()
+    _, state = nnx.capture(net, nnx.Intermediate)(X)
+    r = np.array([1.0, -2.0], np.float32)
+    state['i'].set_value((r,))
+    # Module.sow returns a bool, so the output is unchanged; what a capture
+    # around collects is the replacement.
+    out, collected = capture(intervene(lambda n, x: n(x), state))(net, X)
+    kernel, bias = self._kernel_and_bias(net)
+    assert_close(out, np.sum((X @ kernel + bias) ** 2))
+    assert_close(collected[('i',)], (r,))
+
+  def test_perturbation_state_as_values(self):
+    net = PerturbedNet()
+    _, state = nnx.capture(net, nnx.Perturbation)(X)  # zeros, Flax's step 1
+    r = np.array([1.5, -0.5], np.float32)
+    state['h'][...] = r
+    out = intervene(lambda n, x: n(x), state)(net, X)
+    assert_close(out, np.sum(r**2))
+    # Also the State of the gradients (nnx.capture of nnx.grad).
+    _, grads = nnx.capture(nnx.grad(lambda n, x: n(x)), nnx.Perturbation)(
+        net, X
+    )
+    kernel, bias = self._kernel_and_bias(net)
+    h = X @ kernel + bias
+    assert_close(grads['h'][...], 2.0 * h)
+    out = intervene(lambda n, x: n(x), grads)(net, X)
+    assert_close(out, np.sum((2.0 * h) ** 2))
+
+  def test_nnx_capture_of_intervened_function(self):
+    net = PerturbedNet()
+    r = np.array([3.0, 1.0], np.float32)
+    f = intervene(lambda n, x: n(x), {('h',): (r,)})
+    out, state = nnx.capture(f, nnx.Intermediate)(net, X)
+    assert_close(out, np.sum(r**2))
+    assert_close(state['i'].get_value(), (r * 2.0,))
+
+
+# ----------------------------------------------------------------------------
+# Errors: each names the sow, the construct and the fix.
+
+
+class ErrorTest(parameterized.TestCase):
+
+  def f(self, x):
+    return sow(x * 2.0, name='h') + 1.0
+
+  def test_wrong_shape(self):
+    with self.assertRaisesRegex(
+        ValueError,
+        r"sow 'h' \(at .*test_intervene.py.*values\['h'\]\[0\] is .*"
+        r'float32\[2\].*sown value is .*float32\[3\].*nothing is broadcast',
+    ):
+      intervene(self.f, {'h': (np.zeros(2, np.float32),)})(X)
+
+  def test_wrong_dtype(self):
+    with self.assertRaisesRegex(
+        ValueError, r"values\['h'\]\[0\] is .*int32\[3\].*float32\[3\]"
+    ):
+      intervene(self.f, {'h': (np.zeros(3, np.int32),)})(X)
+
+  def test_wrong_structure(self):
+    with self.assertRaisesRegex(
+        ValueError,
+        r"values\['h'\]\[0\] is PyTreeDef\(\(\*, \*\)\).*sown value is"
+        r' PyTreeDef\(\*\)',
+    ):
+      intervene(self.f, {'h': ((R1, R1),)})(X)
+
+  def test_wrong_shape_from_callable(self):
+    with self.assertRaisesRegex(
+        ValueError, r"values\['h'\]\(value\) is .*float32\[2\]"
+    ):
+      intervene(self.f, {'h': lambda v: v[:2]})(X)
+
+  def test_wrong_shape_in_a_loop(self):
+    with self.assertRaisesRegex(
+        ValueError,
+        r"values\['h'\]\[0\] replaces a sow inside a loop of 4 iterations.*"
+        r'leading axis of 4',
+    ):
+      intervene(cumulative, {'h': (np.zeros(3, np.float32),)})(XS)
+
+  def test_unknown_name(self):
+    with self.assertRaisesRegex(
+        ValueError, r"no sow .* named 'k'.*strict=False"
+    ):
+      intervene(self.f, {'h': (R1,), 'k': (R1,)})(X)
+
+  def test_too_few_entries(self):
+    with self.assertRaisesRegex(
+        ValueError,
+        r"values\['h'\] has 1 entries, but the program sows 'h' at least 2"
+        r' times.*Pass a tuple of that length',
+    ):
+      intervene(two_layers, {'h': (R1,)})(X)
+
+  def test_too_many_entries(self):
+    with self.assertRaisesRegex(
+        ValueError,
+        r"values\['h'\] has 3 entries, but the program sows 'h' 2 times",
+    ):
+      intervene(two_layers, {'h': (R1, R2, R1)})(X)
+
+  def test_too_few_entries_for_a_jit(self):
+    g = jax.jit(two_layers)
+    with self.assertRaisesRegex(ValueError, r'has 1 entries.*at least 2'):
+      intervene(g, {'h': (R1,)})(X)
+
+  def test_reduced_name(self):
+    def f(x):
+      sow(x, name='r', reduce_fn=lambda a, v: a + v, init_fn=lambda: 0.0)
+      return x
+
+    for value in ((R1,), lambda v: v):
+      with self.assertRaisesRegex(
+          ValueError, r"sow 'r' \(at .*\) is reduced.*drop the name"
+      ):
+        intervene(f, {'r': value})(X)
+
+  @parameterized.parameters('while', 'fori')
+  def test_array_inside_while_loop(self, kind):
+    def f(x, n):
+      body = lambda c: sow(c * 2.0, name='h')
+      if kind == 'while':
+        return jax.lax.while_loop(lambda c: c < 10.0, body, x)
+      return jax.lax.fori_loop(0, n, lambda i, c: body(c), x)
+
+    with self.assertRaisesRegex(
+        ValueError,
+        r"sow 'h' \(at .*\) is inside `lax.while_loop`.*Pass a callable",
+    ):
+      intervene(f, {'h': (np.ones(3, np.float32),)})(
+          np.float32(1.0), jnp.int32(3)
+      )
+
+  def test_branches_sowing_different_numbers_of_times(self):
+    def f(x):
+      return jax.lax.cond(
+          jnp.sum(x) > 0, lambda: sow(x, name='h'), lambda: x * 2.0
+      )
+
+    with self.assertRaisesRegex(
+        ValueError,
+        r"sow 'h' .*branches of `lax.cond`/`lax.switch` sow it \[0, 1\]"
+        r' times.*callable',
+    ):
+      intervene(f, {'h': (R1,)})(X)
+
+  def test_values_not_a_mapping(self):
+    with self.assertRaisesRegex(
+        TypeError, r'values must be a mapping.*got list'
+    ):
+      intervene(self.f, [('h', (R1,))])
+
+  def test_bare_array_instead_of_a_tuple(self):
+    with self.assertRaisesRegex(
+        TypeError,
+        r"values\['h'\] must be a tuple .*wrap a single value as \(value,\)",
+    ):
+      intervene(self.f, {'h': jnp.asarray(R1)})
+
+  def test_bad_tags(self):
+    with self.assertRaisesRegex(TypeError, r"tags=\('a',\)"):
+      intervene(self.f, {'h': (R1,)}, tags='a')
+
+  def test_not_callable(self):
+    with self.assertRaisesRegex(TypeError, 'f must be callable'):
+      intervene(3, {'h': (R1,)})
+
+
+if __name__ == '__main__':
+  absltest.main()

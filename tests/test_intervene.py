@@ -665,6 +665,19 @@ class VmapInsideTest(absltest.TestCase):
     assert_close(c, np.stack([e[0] for e in expected]))
     assert_close(ys, np.stack([e[1] for e in expected]))
 
+  def test_unreplaced_unbatched_sows_stay_unbatched(self):
+    # jacfwd maps over a tangent basis and wants the primal unbatched;
+    # vmap(out_axes=None) wants an unbatched output. Sows intervene does
+    # not replace keep that.
+    def f(x):
+      jac = jax.jacfwd(lambda y: sow(jnp.sin(y), name='inner'))(x)
+      shared = jax.vmap(
+          lambda r: sow(jnp.sum(x), name='shared'), out_axes=None
+      )(W)
+      return sow(jac @ x, name='h') * shared
+
+    assert_close(intervene(f, {'h': (R1,)})(X), R1 * np.sum(X))
+
   def test_array_in_a_loop_under_vmap_raises(self):
     def f(xss):
       return jax.vmap(cumulative)(xss)
@@ -1086,6 +1099,23 @@ class ErrorTest(parameterized.TestCase):
         r' times.*callable',
     ):
       intervene(f, {'h': (R1,)})(X)
+
+  def test_construct_without_a_rule(self):
+    mesh = jax.make_mesh((2,), ('i',), devices=jax.devices()[:2])
+
+    def f(x):
+      return jax.shard_map(
+          lambda x: sow(x * 2.0, name='h'),
+          mesh=mesh,
+          in_specs=jax.P(),
+          out_specs=jax.P(),
+      )(x)
+
+    with self.assertRaisesRegex(
+        NotImplementedError,
+        r"sow 'h' \(at .*\) is inside `jax.shard_map`.*no rule.*intervene_rules",
+    ):
+      intervene(f, {'h': lambda v: v})(X)
 
   def test_values_not_a_mapping(self):
     with self.assertRaisesRegex(

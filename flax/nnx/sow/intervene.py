@@ -54,7 +54,7 @@ from flax.nnx.sow.capture import stage
 from flax.nnx.sow.capture import where
 from flax.nnx.sow.loops import _branches_hoisted  # pylint: disable=protected-access
 from flax.nnx.sow.loops import _hoisted  # pylint: disable=protected-access
-from flax.nnx.sow.primitive import INTERVENING
+from flax.nnx.sow.primitive import Intervening
 from flax.nnx.sow.primitive import Name
 from flax.nnx.sow.primitive import sow_p
 from flax.nnx.sow.primitive import staging_active
@@ -780,7 +780,7 @@ def intervene(
 
 
 def _stage_and_intervene(f, accepts_key, values, strict, args, kwargs):
-  staged = stage(f, INTERVENING, args, kwargs)
+  staged = stage(f, Intervening(frozenset(values), accepts_key), args, kwargs)
   injector = Injector(accepts_key, values, strict)
   closed = staged.closed
   injector.check_sites(closed.jaxpr)

@@ -25,6 +25,7 @@ mapped axis first. Collecting what was sown is ``capture``'s job
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import typing as tp
 
@@ -99,15 +100,23 @@ def staging(accepts_key: tp.Any = None):
   return _STAGING((*_STAGING.value, accepts_key))
 
 
-class _Intervening:
+@dataclasses.dataclass(frozen=True)
+class Intervening:
   """The staging key of ``intervene`` (``intervene.py``): its sows are
-  staged effectful, like a capture's, but no capture accepts them."""
+  staged effectful, like a capture's, but no capture accepts them.
 
-  def __repr__(self):
-    return 'INTERVENING'
+  ``names`` and ``tags`` (``None``: every tag) say which sows it replaces.
+  """
 
+  names: frozenset[Name]
+  tags: frozenset | None
 
-INTERVENING = _Intervening()
+  def replaces(self, params: dict[str, tp.Any]) -> bool:
+    return (
+        params['name'] in self.names
+        and params['kind'] in ('value', 'perturb')
+        and (self.tags is None or params['tag'] in self.tags)
+    )
 
 
 def staging_active() -> bool:
@@ -116,16 +125,19 @@ def staging_active() -> bool:
 
 def staging_captures() -> tuple[tp.Any, ...]:
   """The ``tags`` keys (``None``: every tag) of the captures staging now."""
-  return tuple(k for k in _STAGING.value if k is not INTERVENING)
+  return tuple(k for k in _STAGING.value if not isinstance(k, Intervening))
 
 
-def intervening() -> bool:
-  """Whether the innermost transform staging now is ``intervene``.
+def intervening() -> Intervening | None:
+  """The ``intervene`` staging now, if it is the innermost transform staging.
 
-  Its sows must stay where they are, with every operand batched under
-  ``jax.vmap``: a replaced value has to reach the sow's consumers.
+  Its sows must stay where they are (``batching.py``), and a sow it replaces
+  comes back batched under ``jax.vmap``: a replacement per example has to
+  reach the sow's consumers.
   """
-  return bool(_STAGING.value) and _STAGING.value[-1] is INTERVENING
+  if _STAGING.value and isinstance(_STAGING.value[-1], Intervening):
+    return _STAGING.value[-1]
+  return None
 
 
 def bind_sow(
@@ -225,9 +237,11 @@ def _sow_batch(axis_data, leaves, dims, **params):
   params = dict(params, batch_dims=params['batch_dims'] + 1)
   outs = sow_p.bind(*moved, **params)
   n = len(outs)  # the closure is batched with the value, not returned
-  if intervening() and params['effect']:
+  key = intervening()
+  if key is not None and params['effect'] and key.replaces(params):
     # ``intervene`` may replace the value per example: every leaf comes
-    # back batched.
+    # back batched. (Only such sows: an unbatched result stays unbatched,
+    # as ``vmap(..., out_axes=None)`` and ``jacfwd`` require.)
     return outs, [0] * n
   outs = [o if d is not None else x for o, x, d in zip(outs, leaves, dims)]
   return outs, [None if d is None else 0 for d in dims[:n]]

@@ -24,6 +24,8 @@ cotangents ``perturb`` collects at the same sites.
 from __future__ import annotations
 
 import functools
+import gc
+import weakref
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -190,15 +192,35 @@ class TopLevelTest(parameterized.TestCase):
       if event == '/jax/core/compile/backend_compile_duration':
         compiles.append(event)
 
+    def fn(v):  # one callable, passed again
+      return v * 2.0
+
+    h = np.cos(X) * 3.0
     assert_close(intervene(g, {'h': (R1,)})(X), np.sum(R1 * X))
+    assert_close(intervene(g, {'h': fn})(X), np.sum(h * 2.0 * X))
     jax.monitoring.register_event_duration_secs_listener(on_event)
     try:
       for r in (R2, R1 * 3.0):
         assert_close(intervene(g, {'h': (r,)})(X), np.sum(r * X))
+        assert_close(intervene(g, {'h': fn})(X), np.sum(h * 2.0 * X))
     finally:
       jax.monitoring.unregister_event_duration_listener(on_event)
     self.assertLen(calls, 1)
     self.assertEqual(compiles, [])
+
+  def test_cache_does_not_keep_callables_alive(self):
+    g = jax.jit(two_layers)
+    big = np.full(3, 2.0, np.float32)  # what the callable closes over
+
+    def make():
+      return lambda v: v * big
+
+    fn = make()
+    ref = weakref.ref(fn)
+    intervene(g, {'h': fn})(X)
+    del fn
+    gc.collect()
+    self.assertIsNone(ref())
 
   def test_outside_arguments_and_non_array_arguments(self):
     def f(x, scale, training):
@@ -1113,7 +1135,8 @@ class ErrorTest(parameterized.TestCase):
 
     with self.assertRaisesRegex(
         NotImplementedError,
-        r"sow 'h' \(at .*\) is inside `jax.shard_map`.*no rule.*intervene_rules",
+        r"sow 'h' \(at .*\) is inside `jax.shard_map`.*no rule"
+        r'.*intervene_rules',
     ):
       intervene(f, {'h': lambda v: v})(X)
 

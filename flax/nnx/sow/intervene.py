@@ -38,7 +38,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import threading
 import typing as tp
+import weakref
 
 import jax
 
@@ -268,14 +270,16 @@ class Injector:
   ) -> _jax.ClosedJaxpr:
     """``closed`` taking the replacement leaves as trailing inputs, with its
     sows replaced (cached per jaxpr, replacement layout and callables)."""
+    sown = {s.name for s in sow_sites(closed.jaxpr)}
     fns = tuple(
-        (n, v) for n, v in self.values.items() if not isinstance(v, Entries)
+        (n, v)
+        for n, v in self.values.items()
+        if not isinstance(v, Entries) and n in sown
     )
     key = (
         'intervene',
         self.accepts_key,
         self.strict,
-        fns,
         spec,
         tuple(rep_avals),
         staging_active(),
@@ -292,7 +296,7 @@ class Injector:
           fn, [*closed.in_avals, *rep_avals], 'intervene_rewrite'
       )
 
-    return cached(closed, key, build)
+    return _cached_rewrite(closed, key, fns, build)
 
   # -- the sow --------------------------------------------------------------
 
@@ -378,6 +382,51 @@ class Injector:
             ' inside a loop, as capture returns them). Pass a tuple of that'
             ' length, or strict=False.'
         )
+
+
+_rewrites: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_rewrites_lock = threading.Lock()
+
+
+def _cached_rewrite(closed, key, fns, build):
+  """``cached(closed, key, build)`` for a rewrite that applies ``fns``.
+
+  The callables are part of the key, by ``id`` where they can be weakly
+  referenced: the entry is dropped when one of them is collected, so a
+  lambda made for one call (and the arrays or tracers it closes over) is
+  not kept alive by the cache, while a callable passed again hits it.
+  """
+  weak, parts = [], []
+  for name, fn in fns:
+    try:
+      weakref.ref(fn)
+    except TypeError:  # e.g. a builtin: held by the key
+      parts.append((name, fn))
+    else:
+      weak.append(fn)
+      parts.append((name, id(fn)))
+  key = (*key, tuple(parts))
+  if not weak:
+    return cached(closed, key, build)
+  per_jaxpr = _rewrites.get(closed)
+  if per_jaxpr is not None and key in per_jaxpr:
+    return per_jaxpr[key]
+  result = build()
+  with _rewrites_lock:
+    _rewrites.setdefault(closed, {})[key] = result
+  closed_ref = weakref.ref(closed)
+  for fn in weak:
+    # Runs before fn's id can be reused.
+    weakref.finalize(fn, _evict, closed_ref, key)
+  return result
+
+
+def _evict(closed_ref, key) -> None:
+  closed = closed_ref()
+  if closed is None:
+    return
+  with _rewrites_lock:
+    _rewrites.get(closed, {}).pop(key, None)
 
 
 def _apply(fn, value, batch_dims: int):

@@ -629,6 +629,10 @@ class CustomRuleTest(parameterized.TestCase):
     # A callable inside the custom function.
     out = intervene(fn, {'inside': lambda v: v + 1.0})(X)
     assert_close(out, np.sin(X * 2.0 + 1.0))
+    # The rule says nothing about the replacement: its gradient is zero
+    # (documented; perturb collects nothing there either).
+    grad_r = jax.grad(lambda r: jnp.sum(intervene(fn, {'inside': (r,)})(X)))
+    assert_close(grad_r(R1), np.zeros(3, np.float32))
 
 
 # ----------------------------------------------------------------------------

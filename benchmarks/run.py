@@ -55,7 +55,7 @@ from flax import nnx
 
 from benchmarks import timing
 from benchmarks import workload as wl
-from flax.nnx.sow import capture, sow
+from flax.nnx.sow import capture, intervene, sow
 
 Result = timing.Result
 
@@ -377,6 +377,46 @@ def perturb_grad(cfg: Config) -> list[Result]:
       'perturb_grad', 'jax.jit(capture(jax.grad(loss)))',
       'jax.jit(jax.grad(loss))', ta, tb, target=1.10,
       sizes=dict(cfg.sizes.asdict(), perturbs=cfg.sizes.layers),
+      extra=dict(hlo_instructions=hlo))]
+
+
+@benchmark('intervene_runtime')
+def intervene_runtime(cfg: Config) -> list[Result]:
+  """Patching one layer's residual stream with ``intervene`` vs by hand.
+
+  The replacement is the residual stream after the middle block in a run on
+  another input (activation patching); the baseline is the same model with
+  an emitter that returns the replacement, passed as an argument.
+  """
+  graphdef, state = wl.concrete_state(cfg.sizes)
+  x = wl.example_input(cfg.sizes)
+  f = wl.pure_functions(graphdef)['f']
+  layer = cfg.sizes.layers // 2
+  name = ('blocks', layer, 'residual')
+  _, collected = jax.jit(capture(f))(state, wl.example_input(cfg.sizes, 2))
+  (r,) = collected[name]
+
+  def f_with(state, x, r):
+    def emit(block, i, n, value):
+      del block
+      return r if (i, n) == (layer, 'residual') else value
+    return nnx.merge(graphdef, state)(x, emit)
+
+  intervened = jax.jit(
+      lambda state, x, r: intervene(f, {name: (r,)})(state, x))
+  by_hand = jax.jit(f_with)
+  out_i, out_h = intervened(state, x, r), by_hand(state, x, r)
+  np.testing.assert_allclose(out_i, out_h, rtol=1e-5, atol=1e-5)
+  if np.allclose(out_i, jax.jit(f)(state, x), rtol=1e-3, atol=1e-3):
+    raise AssertionError('the patch did not change the output')
+  ta, tb = timing.interleaved(
+      lambda: intervened(state, x, r), lambda: by_hand(state, x, r),
+      cfg.runtime_repeats, warmup=2)
+  hlo = _hlo_comparison(intervened, by_hand, state, x, r)
+  return [timing.compare(
+      'intervene_runtime', 'jax.jit(intervene(f, v))',
+      'jax.jit(f_with_replacement_as_argument)', ta, tb, target=1.03,
+      sizes=dict(cfg.sizes.asdict(), patched_layer=layer),
       extra=dict(hlo_instructions=hlo))]
 
 

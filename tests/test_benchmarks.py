@@ -34,8 +34,9 @@ RUN = os.path.join(ROOT, 'benchmarks', 'run.py')
 EXPECTED_NAMES = {
     'jit_runtime', 'first_call[1]', 'first_call[2]', 'rewrite_scaling',
     'rewrite_scaling[gc]', 'rewrite_scaling[loop]', 'eager_jitted',
-    'eager_plain', 'perturb_grad', 'sow_dispatch', 'reduce_memory[reduce]',
-    'reduce_memory[stacked]', 'nnx_step[steady]', 'nnx_step[first_call]',
+    'eager_plain', 'perturb_grad', 'intervene_runtime', 'sow_dispatch',
+    'reduce_memory[reduce]', 'reduce_memory[stacked]', 'nnx_step[steady]',
+    'nnx_step[first_call]',
 }
 FIELDS = {
     'name': str, 'a': str, 'b': str, 'a_median': float, 'b_median': float,

@@ -217,15 +217,25 @@ def _place(x, spec: PartitionSpec, mesh):
   """An accumulator laid out as ``spec`` says, where the mesh checks it.
 
   With ``Explicit`` mesh axes ``shard_map`` requires its inputs to be
-  sharded as their ``in_specs`` say; an accumulator starts replicated.
+  sharded as their ``in_specs`` say. An accumulator that a ``shard_map``
+  returned already is; one from elsewhere is resharded.
   """
   explicit = getattr(mesh, 'explicit_axes', ())
   if not any(a in explicit for a in spec if a is not None):
     return x
-  sharding = jax.sharding.NamedSharding(mesh, spec)
-  if getattr(_jax.typeof(x), 'sharding', None) == sharding:
+  aval = _jax.typeof(x)
+  current = getattr(aval, 'sharding', None)
+  if (
+      current is not None
+      and current.mesh == mesh.abstract_mesh
+      and _padded(current.spec, aval.ndim) == _padded(spec, aval.ndim)
+  ):
     return x
-  return jax.sharding.reshard(x, sharding)
+  return jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, spec))
+
+
+def _padded(spec: PartitionSpec, ndim: int) -> tuple:
+  return tuple(spec) + (None,) * (ndim - len(spec))
 
 
 def _rewrite_body(body: _jax.Jaxpr, accepts_key, specs, params):

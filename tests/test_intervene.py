@@ -205,7 +205,10 @@ class TopLevelTest(parameterized.TestCase):
         assert_close(intervene(g, {'h': fn})(X), np.sum(h * 2.0 * X))
     finally:
       jax.monitoring.unregister_event_duration_listener(on_event)
-    self.assertLen(calls, 1)
+    # g is traced once for array replacements and once for callables (which
+    # names intervene replaces, and how, is part of jit's cache key), then
+    # neither traced nor compiled again.
+    self.assertLen(calls, 2)
     self.assertEqual(compiles, [])
 
   def test_cache_does_not_keep_callables_alive(self):
@@ -703,6 +706,39 @@ class VmapInsideTest(absltest.TestCase):
       return sow(jac @ x, name='h') * shared
 
     assert_close(intervene(f, {'h': (R1,)})(X), R1 * np.sum(X))
+
+  def test_cond_on_a_batched_predicate(self):
+    def f(xs):
+      return jax.vmap(
+          lambda x: jax.lax.cond(
+              jnp.sum(x) > 0,
+              lambda: sow(x, name='h') * 2.0,
+              lambda: sow(-x, name='h') * 3.0,
+          )
+      )(xs)
+
+    def f_with(x, fn):  # one example, the branch it takes
+      return fn(x) * 2.0 if np.sum(x) > 0 else fn(-x) * 3.0
+
+    fn = lambda v: v + 100.0
+    xs = np.stack([X, -X, np.abs(X)])
+    expected = np.stack([f_with(x, fn) for x in xs])
+    assert_close(intervene(f, {'h': fn})(xs), expected)
+    # vmap runs both branches and selects: an array cannot be matched to the
+    # branch taken; around intervene it can.
+    with self.assertRaisesRegex(
+        ValueError, r"sow 'h' .*predicate batched by `jax.vmap`.*callable"
+    ):
+      intervene(f, {'h': (np.zeros((3, 3), np.float32),)})(xs)
+    one = lambda x: jax.lax.cond(
+        jnp.sum(x) > 0,
+        lambda: sow(x, name='h') * 2.0,
+        lambda: sow(-x, name='h') * 3.0,
+    )
+    out = jax.vmap(lambda x, r: intervene(one, {'h': (r,)})(x))(xs, xs * 10.0)
+    assert_close(
+        out, np.stack([x * 10.0 * (2.0 if np.sum(x) > 0 else 3.0) for x in xs])
+    )
 
   def test_array_in_a_loop_under_vmap_raises(self):
     def f(xss):

@@ -117,7 +117,10 @@ def _scan_batcher(jax_rule, axis_data, args, dims, **params):
 
 
 def _cond_batcher(jax_rule, axis_data, args, dims, *, branches, **params):
-  if dims[0] is None or intervening():
+  key = intervening()
+  if key is not None and dims[0] is not None:
+    _check_no_array_replacement(key, branches)
+  if dims[0] is None or key is not None:
     return jax_rule(axis_data, args, dims, branches=branches, **params)
   # A batched predicate: vmap runs every branch for every example and
   # selects. Reduced sows are taken out first, each with a mask of the
@@ -171,6 +174,24 @@ def _cond_batcher(jax_rule, axis_data, args, dims, *, branches, **params):
         axis_data.size,
     )
   return outs[:n_out], out_dims[:n_out]
+
+
+def _check_no_array_replacement(key, branches) -> None:
+  """``intervene`` cannot give an array entry to a sow in a batched ``cond``.
+
+  vmap runs every branch and selects, so each branch's sow would take an
+  entry of its own, where ``capture`` collects one value per site.
+  """
+  for b in branches:
+    for s in sow_sites(b.jaxpr):
+      if s.name in key.arrays and key.replaces(s.eqn.params):
+        raise ValueError(
+            f'intervene: sow {s.name!r}{s.where} is inside `lax.cond`/'
+            '`lax.switch` with a predicate batched by `jax.vmap`, which runs'
+            ' every branch, so an array replacement cannot be matched to the'
+            ' branch taken. Pass a callable (values[name] = fn), or put the'
+            ' vmap around intervene.'
+        )
 
 
 # Reduced sows in the branches of a cond on a batched predicate.

@@ -829,7 +829,12 @@ def intervene(
 
 
 def _stage_and_intervene(f, accepts_key, values, strict, args, kwargs):
-  staged = stage(f, Intervening(frozenset(values), accepts_key), args, kwargs)
+  key = Intervening(
+      frozenset(values),
+      frozenset(n for n, v in values.items() if isinstance(v, Entries)),
+      accepts_key,
+  )
+  staged = stage(f, key, args, kwargs)
   injector = Injector(accepts_key, values, strict)
   closed = staged.closed
   injector.check_sites(closed.jaxpr)

@@ -105,10 +105,12 @@ class Intervening:
   """The staging key of ``intervene`` (``intervene.py``): its sows are
   staged effectful, like a capture's, but no capture accepts them.
 
-  ``names`` and ``tags`` (``None``: every tag) say which sows it replaces.
+  ``names`` and ``tags`` (``None``: every tag) say which sows it replaces;
+  ``arrays``, which of the names by arrays (the others by callables).
   """
 
   names: frozenset[Name]
+  arrays: frozenset[Name]
   tags: frozenset | None
 
   def replaces(self, params: dict[str, tp.Any]) -> bool:

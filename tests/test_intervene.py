@@ -195,14 +195,23 @@ class TopLevelTest(parameterized.TestCase):
     def fn(v):  # one callable, passed again
       return v * 2.0
 
+    class Steering:
+
+      def add(self, v):
+        return v + 1.0
+
+    steering = Steering()  # steering.add is a new bound method every time
     h = np.cos(X) * 3.0
     assert_close(intervene(g, {'h': (R1,)})(X), np.sum(R1 * X))
     assert_close(intervene(g, {'h': fn})(X), np.sum(h * 2.0 * X))
+    assert_close(intervene(g, {'h': steering.add})(X), np.sum((h + 1.0) * X))
     jax.monitoring.register_event_duration_secs_listener(on_event)
     try:
       for r in (R2, R1 * 3.0):
         assert_close(intervene(g, {'h': (r,)})(X), np.sum(r * X))
         assert_close(intervene(g, {'h': fn})(X), np.sum(h * 2.0 * X))
+        out = intervene(g, {'h': steering.add})(X)
+        assert_close(out, np.sum((h + 1.0) * X))
     finally:
       jax.monitoring.unregister_event_duration_listener(on_event)
     # g is traced once for array replacements and once for callables (which

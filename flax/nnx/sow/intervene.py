@@ -38,6 +38,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import inspect
 import threading
 import typing as tp
 import weakref
@@ -398,13 +399,16 @@ def _cached_rewrite(closed, key, fns, build):
   """
   weak, parts = [], []
   for name, fn in fns:
+    # A bound method is made anew at every attribute access: its object
+    # and function say which it is.
+    owner = getattr(fn, '__self__', None) if inspect.ismethod(fn) else fn
     try:
-      weakref.ref(fn)
+      weakref.ref(owner)
     except TypeError:  # e.g. a builtin: held by the key
       parts.append((name, fn))
     else:
-      weak.append(fn)
-      parts.append((name, id(fn)))
+      weak.append(owner)
+      parts.append((name, id(owner), getattr(fn, '__func__', None)))
   key = (*key, tuple(parts))
   if not weak:
     return cached(closed, key, build)
@@ -415,9 +419,9 @@ def _cached_rewrite(closed, key, fns, build):
   with _rewrites_lock:
     _rewrites.setdefault(closed, {})[key] = result
   closed_ref = weakref.ref(closed)
-  for fn in weak:
-    # Runs before fn's id can be reused.
-    weakref.finalize(fn, _evict, closed_ref, key)
+  for owner in weak:
+    # Runs before the owner's id can be reused.
+    weakref.finalize(owner, _evict, closed_ref, key)
   return result
 
 
@@ -715,12 +719,11 @@ def _state_to_values(values):
     # Module.sow names are paths, also one-element ones. An Intermediate
     # holds a tuple of values (capture's layout); a Perturbation holds one
     # value, the replacement of the one perturb of its path.
-    return {
-        (k,)
-        if isinstance(k, str)
-        else k: v if isinstance(v, tuple) or callable(v) else (v,)
-        for k, v in state_lib.state_to_collected(values).items()
-    }
+    out = {}
+    for k, v in state_lib.state_to_collected(values).items():
+      name = (k,) if isinstance(k, str) else k
+      out[name] = v if isinstance(v, tuple) or callable(v) else (v,)
+    return out
   return values
 
 

@@ -420,6 +420,135 @@ def intervene_runtime(cfg: Config) -> list[Result]:
       extra=dict(hlo_instructions=hlo))]
 
 
+SHARDED_DEVICES = 8
+_DEVICE_COUNT_FLAG = '--xla_force_host_platform_device_count'
+
+
+def _sharded_steps(graphdef, mesh):
+  """A data-parallel SGD step over ``mesh``'s ``'data'`` axis, two ways.
+
+  ``step`` sows every intermediate inside the ``shard_map`` body (``f``);
+  ``step_manual`` returns the same per-device values by hand as extra
+  outputs of the ``shard_map`` (``f_manual``), laid out as ``capture`` lays
+  them out: a leading device axis, split over ``'data'``.
+  """
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  fns = wl.pure_functions(graphdef)
+
+  def loss(state, x):
+    return jax.lax.pmean(jnp.mean(fns['f'](state, x) ** 2), 'data')
+
+  def loss_manual(state, x):
+    out, values = fns['f_manual'](state, x)
+    return jax.lax.pmean(jnp.mean(out ** 2), 'data'), values
+
+  def body(state, x):
+    value, grads = jax.value_and_grad(loss)(state, x)
+    return value, jax.lax.pmean(grads, 'data')
+
+  def body_manual(state, x):
+    (value, values), grads = jax.value_and_grad(loss_manual, has_aux=True)(
+        state, x)
+    values = {k: v[None] for k, v in values.items()}
+    return value, jax.lax.pmean(grads, 'data'), values
+
+  specs = dict(mesh=mesh, in_specs=(P(), P('data')))
+  sharded = jax.shard_map(body, out_specs=(P(), P()), **specs)
+  sharded_manual = jax.shard_map(
+      body_manual, out_specs=(P(), P(), P('data')), **specs)
+
+  def sgd(state, grads):
+    return jax.tree.map(lambda p, g: p - 1e-3 * g, state, grads)
+
+  def step(state, x):
+    value, grads = sharded(state, x)
+    return value, sgd(state, grads)
+
+  def step_manual(state, x):
+    value, grads, values = sharded_manual(state, x)
+    return (value, sgd(state, grads)), values
+
+  return step, step_manual
+
+
+def _sharded_step_in_subprocess(cfg: Config) -> list[Result]:
+  """``sharded_step`` in a fresh process that has 8 CPU devices.
+
+  XLA reads the device count once, when JAX starts its backend; this
+  process started it with fewer devices.
+  """
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import tempfile  # pylint: disable=g-import-not-at-top
+  env = dict(os.environ)
+  flags = re.sub(rf'{_DEVICE_COUNT_FLAG}=\d+', '', env.get('XLA_FLAGS', ''))
+  env['XLA_FLAGS'] = f'{flags} {_DEVICE_COUNT_FLAG}={SHARDED_DEVICES}'.strip()
+  env['JAX_PLATFORMS'] = 'cpu'
+  with tempfile.TemporaryDirectory() as tmp:
+    path = os.path.join(tmp, 'sharded_step.json')
+    argv = [sys.executable, os.path.abspath(__file__), '--only',
+            'sharded_step', '--json', path, '--repeats',
+            str(cfg.runtime_repeats)]
+    if cfg.quick:
+      argv.append('--quick')
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True,
+                          check=False, timeout=1800)
+    if not os.path.exists(path):
+      raise RuntimeError(
+          f'the sharded_step subprocess wrote no results:\n{proc.stderr[-2000:]}')
+    with open(path) as fp:
+      rows = json.load(fp)
+  results = []
+  for row in rows:
+    if 'error' in row:
+      raise RuntimeError(f'in the subprocess: {row["error"]}')
+    row.pop('met')
+    row['extra'] = dict(row['extra'], subprocess=True)
+    results.append(Result(**row))
+  return results
+
+
+@benchmark('sharded_step')
+def sharded_step(cfg: Config) -> list[Result]:
+  """A data-parallel train step on 8 simulated CPU devices (``shard_map``).
+
+  ``jax.jit(capture(step))`` collects every intermediate inside the sharded
+  body; ``jax.jit(step_manual)`` returns the same values by hand.
+  """
+  if jax.device_count() < SHARDED_DEVICES:
+    return _sharded_step_in_subprocess(cfg)
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  batch = -(-cfg.sizes.batch // SHARDED_DEVICES) * SHARDED_DEVICES
+  sizes = cfg.sizes.replace(batch=batch)
+  mesh = jax.make_mesh((SHARDED_DEVICES,), ('data',),
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  graphdef, state = wl.concrete_state(sizes)
+  state = jax.device_put(state, NamedSharding(mesh, P()))
+  x = jax.device_put(wl.example_input(sizes), NamedSharding(mesh, P('data')))
+  step, step_manual = _sharded_steps(graphdef, mesh)
+  captured, manual = jax.jit(capture(step)), jax.jit(step_manual)
+  ((loss_c, state_c), collected) = captured(state, x)
+  ((loss_m, state_m), by_hand) = manual(state, x)
+  np.testing.assert_allclose(loss_c, loss_m, rtol=1e-5)
+  jax.tree.map(
+      lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+      state_c, state_m)
+  if set(collected) != set(by_hand):
+    raise AssertionError(
+        f'capture collected {sorted(collected)}, the manual step returns '
+        f'{sorted(by_hand)}')
+  # Per device: a leading axis of 8, as the manual step lays them out.
+  _check_same(collected, {name: by_hand[name] for name in collected})
+  ta, tb = timing.interleaved(
+      lambda: captured(state, x), lambda: manual(state, x),
+      cfg.runtime_repeats, warmup=2)
+  hlo = _hlo_comparison(captured, manual, state, x)
+  return [timing.compare(
+      'sharded_step', 'jax.jit(capture(step)), shard_map over 8 devices',
+      'jax.jit(step_manual)', ta, tb, target=1.03,
+      sizes=dict(sizes.asdict(), devices=SHARDED_DEVICES),
+      extra=dict(hlo_instructions=hlo))]
+
+
 @benchmark('sow_dispatch')
 def sow_dispatch(cfg: Config) -> list[Result]:
   """Per-call cost of a jitted function with sows when nothing captures them.

@@ -34,7 +34,8 @@ RUN = os.path.join(ROOT, 'benchmarks', 'run.py')
 EXPECTED_NAMES = {
     'jit_runtime', 'first_call[1]', 'first_call[2]', 'rewrite_scaling',
     'rewrite_scaling[gc]', 'rewrite_scaling[loop]', 'eager_jitted',
-    'eager_plain', 'perturb_grad', 'intervene_runtime', 'sow_dispatch',
+    'eager_plain', 'perturb_grad', 'intervene_runtime', 'sharded_step',
+    'sow_dispatch',
     'reduce_memory[reduce]', 'reduce_memory[stacked]', 'nnx_step[steady]',
     'nnx_step[first_call]',
 }

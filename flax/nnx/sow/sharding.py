@@ -28,8 +28,16 @@ collective.
 A reduced name keeps one accumulator per shard the same way: outside, it has
 the leading axes of the union of the axes its sites vary over
 (:class:`capture.ShardAxes`); it enters the body split by the same spec, so
-each shard folds only its own values. Such a name may not also be sown
-outside a ``shard_map``.
+each shard folds only its own values. A name new in the scope starts from
+``init_fn()`` run on every shard by a ``shard_map`` with no inputs (the
+function was traced inside the body, under its mesh). Such a name may not
+also be sown outside a ``shard_map``, nor in a ``shard_map`` nested in
+another.
+
+``jax.vmap`` of a ``shard_map`` batches its body, so a value sown there would
+come back with the mapped axis after the mesh axes: a plain sow so batched
+(directly, or hoisted out of a ``scan``/``cond`` by ``batching.py``) raises
+while a capture stages it.
 """
 
 from __future__ import annotations

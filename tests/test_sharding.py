@@ -34,6 +34,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from unittest import mock
 
 from absl.testing import absltest
@@ -1135,6 +1136,8 @@ def _free_port() -> int:
 
 class MultiProcessTest(absltest.TestCase):
 
+  TIMEOUT_S = 120
+
   @pytest.mark.multiprocess
   def test_two_processes_collect_their_addressable_shards(self):
     # The reference: the train step on one device, without shard_map or
@@ -1172,9 +1175,27 @@ class MultiProcessTest(absltest.TestCase):
                   text=True,
               )
           )
-        outputs = [p.communicate(timeout=120)[0] for p in procs]
-      finally:
+        deadline = time.monotonic() + self.TIMEOUT_S
+        outputs, timed_out = [], False
         for p in procs:
+          try:
+            remaining = max(1.0, deadline - time.monotonic())
+            outputs.append(p.communicate(timeout=remaining)[0])
+          except subprocess.TimeoutExpired:
+            timed_out = True
+            break
+        if timed_out:
+          for p in procs:
+            p.kill()
+          outputs = [p.communicate()[0] for p in procs]
+          self.fail(
+              f'the two processes did not finish within {self.TIMEOUT_S} s:\n'
+              + '\n'.join(
+                  f'--- process {i}:\n{out}' for i, out in enumerate(outputs)
+              )
+          )
+      finally:
+        for p in procs:  # never leave a process behind
           if p.poll() is None:
             p.kill()
             p.wait()

@@ -77,7 +77,7 @@ class Config(tp.NamedTuple):
 
 FULL = Config(
     quick=False, sizes=wl.FULL, runtime_repeats=15, compile_repeats=11,
-    compile_warmup=1, trace_repeats=5, first_call_layers=(12, 48),
+    compile_warmup=1, trace_repeats=5, first_call_layers=(12, 48, 192),
     scaling_layers=(12, 192), scan_steps=(100, 10_000), scan_width=256)
 QUICK = Config(
     quick=True, sizes=wl.QUICK, runtime_repeats=3, compile_repeats=1,
@@ -188,12 +188,13 @@ def first_call(cfg: Config) -> list[Result]:
     captured = lambda: jax.jit(capture(wl.pure_functions(graphdef)['f']))
     manual = lambda: jax.jit(wl.pure_functions(graphdef)['f_manual'])
     stages_a, stages_b = {}, {}
+    # The largest program compiles for tens of seconds: fewer samples.
+    n = cfg.compile_repeats if layers <= 48 else min(cfg.compile_repeats, 3)
     ta, tb = timing.interleaved(
         lambda: _staged_compile(captured, stages_a, state, x),
         lambda: _staged_compile(manual, stages_b, state, x),
-        cfg.compile_repeats, warmup=cfg.compile_warmup,
+        n, warmup=cfg.compile_warmup,
         before=jax.clear_caches)
-    n = cfg.compile_repeats
     stages = {
         stage: dict(a=statistics.median(stages_a[stage][-n:]),
                     b=statistics.median(stages_b[stage][-n:]))
@@ -201,8 +202,14 @@ def first_call(cfg: Config) -> list[Result]:
     results.append(timing.compare(
         f'first_call[{layers}]',
         'jax.jit(capture(f)) trace+lower+compile',
-        'jax.jit(f_manual) trace+lower+compile', ta, tb, target=1.10,
+        'jax.jit(f_manual) trace+lower+compile', ta, tb, target=1.03,
         sizes=sizes.asdict(), extra=dict(stage_medians=stages)))
+    # The trace stage alone (where capture does its work), same samples.
+    trace_a, trace_b = stages_a['trace'][-n:], stages_b['trace'][-n:]
+    results.append(timing.compare(
+        f'trace[{layers}]', 'jax.jit(capture(f)).trace',
+        'jax.jit(f_manual).trace', trace_a, trace_b,
+        target=1.10 if layers == 48 else None, sizes=sizes.asdict()))
   return results
 
 
@@ -319,7 +326,7 @@ def rewrite_scaling(cfg: Config) -> list[Result]:
                / statistics.median(jax_gc[small]))
   return [
       row('rewrite_scaling', no_gc, 1.5, True, gc='disabled while timed'),
-      row('rewrite_scaling[gc]', with_gc, None, True, gc='enabled',
+      row('rewrite_scaling[gc]', with_gc, 1.5, True, gc='enabled',
           ratio_jax_restage=jax_ratio),
       row('rewrite_scaling[loop]', loop, None, False,
           gc='disabled while timed'),
@@ -338,6 +345,73 @@ def eager_jitted(cfg: Config) -> list[Result]:
   return [timing.compare(
       'eager_jitted', 'capture(jax.jit(f)) eager', 'jax.jit(f) eager', ta,
       tb, target=1.3, sizes=cfg.sizes.asdict())]
+
+
+def _mlp_train_step():
+  """An 8-layer, 512-wide MLP train step (Adam, batch 256) with a sow per
+  layer: small enough that dispatch, not compute, decides its eager time."""
+  key = jax.random.PRNGKey(0)
+  params = [jax.random.normal(jax.random.fold_in(key, i), (512, 512)) * 0.04
+            for i in range(8)]
+  opt = optax.adam(1e-3)
+  opt_state = opt.init(params)
+  x = jax.random.normal(jax.random.fold_in(key, 100), (256, 512))
+  y = jax.random.normal(jax.random.fold_in(key, 101), (256, 512))
+
+  def loss(params, x, y):
+    h = x
+    for i, w in enumerate(params):
+      h = sow(jnp.tanh(h @ w), name=('act', i))
+    return jnp.mean((h - y) ** 2)
+
+  @jax.jit
+  def step(params, opt_state, x, y):
+    value, grads = jax.value_and_grad(loss)(params, x, y)
+    updates, opt_state = opt.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, value
+
+  return step, (params, opt_state, x, y)
+
+
+@benchmark('eager_dispatch')
+def eager_dispatch(cfg: Config) -> list[Result]:
+  step, args = _mlp_train_step()
+  captured = capture(step)
+  (params_c, _, loss_c), collected = captured(*args)
+  params_p, _, loss_p = step(*args)
+  np.testing.assert_allclose(loss_c, loss_p, rtol=1e-6)
+  jax.tree.map(np.testing.assert_array_equal, params_c, params_p)
+  if len(collected) != 8:
+    raise AssertionError(f'expected 8 sown layers, got {list(collected)}')
+  repeats = 3 if cfg.quick else 4 * cfg.runtime_repeats
+  ta, tb = timing.interleaved(
+      lambda: captured(*args), lambda: step(*args), repeats, warmup=3)
+  return [timing.compare(
+      'eager_dispatch', 'capture(jax.jit(step)) eager, MLP train step',
+      'jax.jit(step) eager', ta, tb, target=1.10,
+      sizes=dict(layers=8, width=512, batch=256))]
+
+
+@benchmark('memory_runtime')
+def memory_runtime(cfg: Config) -> list[Result]:
+  """Peak device memory of the compiled programs (XLA's memory analysis)."""
+  graphdef, state = wl.abstract_state(cfg.sizes)
+  x = wl.abstract_input(cfg.sizes)
+  fns = wl.pure_functions(graphdef)
+
+  def peak(fn):
+    stats = jax.jit(fn).lower(state, x).compile().memory_analysis()
+    return float(stats.temp_size_in_bytes + stats.argument_size_in_bytes
+                 + stats.output_size_in_bytes - stats.alias_size_in_bytes)
+
+  a, b = peak(capture(fns['f'])), peak(fns['f_manual'])
+  return [Result(
+      name='memory_runtime', a='jax.jit(capture(f)) peak bytes',
+      b='jax.jit(f_manual) peak bytes', a_median=a, b_median=b,
+      unit='bytes', ratio=a / b, ratio_kind='ratio of medians', target=1.01,
+      sizes=cfg.sizes.asdict(), repeats=1,
+      extra=dict(method='compile().memory_analysis(): temp + arguments +'
+                 ' outputs - aliased'))]
 
 
 @benchmark('eager_plain')
@@ -685,6 +759,40 @@ def _make_train_step():
     return loss, intermediates
 
   return nnx.jit(train_step)
+
+
+@benchmark('eager_nnx')
+def eager_nnx(cfg: Config) -> list[Result]:
+  """Inspecting a model eagerly: ``nnx.capture(model, nnx.Intermediate)(x)``
+  with the shim against Flax 0.12.8's own ``nnx.capture``."""
+  shims = _nnx_shims()
+  x = wl.example_input(cfg.sizes)
+  model = wl.make_model(cfg.sizes)
+  repeats = max(3, cfg.runtime_repeats // 2)
+
+  def run_shim():
+    shims.install()
+    return nnx.capture(model, nnx.Intermediate)(x)
+
+  def run_orig():
+    shims.uninstall()
+    return nnx.capture(model, nnx.Intermediate)(x)
+
+  try:
+    with warnings.catch_warnings():
+      warnings.simplefilter('ignore', DeprecationWarning)
+      (out_s, inter_s), (out_o, inter_o) = run_shim(), run_orig()
+      np.testing.assert_allclose(out_s, out_o, rtol=1e-5, atol=1e-5)
+      jax.tree.map(
+          lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5),
+          nnx.to_pure_dict(inter_s), nnx.to_pure_dict(inter_o))
+      ta, tb = timing.interleaved(run_shim, run_orig, repeats, warmup=1)
+  finally:
+    shims.install()
+  return [timing.compare(
+      'eager_nnx', 'nnx.capture(model, nnx.Intermediate)(x) eager, shim',
+      'the same with Flax 0.12.8 nnx.capture', ta, tb, target=1.00,
+      sizes=cfg.sizes.asdict())]
 
 
 @benchmark('nnx_step')

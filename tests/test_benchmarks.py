@@ -32,7 +32,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = os.path.join(ROOT, 'benchmarks', 'run.py')
 
 EXPECTED_NAMES = {
-    'jit_runtime', 'first_call[1]', 'first_call[2]', 'rewrite_scaling',
+    'jit_runtime', 'first_call[1]', 'first_call[2]', 'trace[1]', 'trace[2]',
+    'eager_dispatch', 'memory_runtime', 'eager_nnx', 'rewrite_scaling',
     'rewrite_scaling[gc]', 'rewrite_scaling[loop]', 'eager_jitted',
     'eager_plain', 'perturb_grad', 'intervene_runtime', 'sharded_step',
     'sow_dispatch',

@@ -267,7 +267,6 @@ class OutsideCaptureTest(absltest.TestCase):
     text = jax.jit(f).lower(jnp.ones(3)).as_text()
     self.assertNotIn('sow', text)
 
-
   def test_jit_outside_capture_has_no_effect(self):
     # Outside a capture nothing collects a sow, so a jitted function keeps
     # no effect (and JAX's C++ dispatch fast path); the same jitted function
@@ -467,6 +466,46 @@ def sowing_ste_round(x):
 
 
 sowing_ste_round.defvjp(_ste_fwd, _ste_bwd)
+
+
+class EagerJittedTest(absltest.TestCase):
+  """Eager ``capture(jax.jit(step))``: traced numbers as ``jax.jit`` does."""
+
+  def test_numbers_keyed_by_type_and_not_recompiled(self):
+    step = jax.jit(lambda x, s: sow(x * s, name='y') + 1)
+    captured = capture(step)
+    out, collected = captured(jnp.arange(3.0), 2.0)
+    assert_close(out, np.array([1.0, 3.0, 5.0]))
+    out, collected = captured(jnp.arange(3), 2)  # 2 == 2.0, but int
+    self.assertEqual(out.dtype, jnp.int32)
+    np.testing.assert_array_equal(out, [1, 3, 5])
+    np.testing.assert_array_equal(collected['y'][0], [0, 2, 4])
+    inv = capture(jax.jit(lambda x, s: sow(x / s, name='q')))
+    self.assertEqual(float(inv(jnp.float32(1.0), 0.0)[0]), np.inf)
+    self.assertEqual(float(inv(jnp.float32(1.0), -0.0)[0]), -np.inf)
+    compiles = []
+
+    def on_event(event, duration, **kwargs):
+      del duration, kwargs
+      if event == '/jax/core/compile/backend_compile_duration':
+        compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    try:
+      for lr in (0.5, 0.25, 0.125):  # a new Python float per step
+        out, collected = captured(jnp.arange(3.0), lr)
+        assert_close(collected['y'][0], np.arange(3.0) * lr)
+    finally:
+      jax.monitoring.unregister_event_duration_listener(on_event)
+    self.assertEqual(compiles, [])
+
+  def test_static_argument_keyed_by_value(self):
+    step = jax.jit(lambda x, n: sow(x * n, name='y'), static_argnums=1)
+    captured = capture(step)
+    for n in (2, 3):
+      out, collected = captured(jnp.ones(2), n)
+      np.testing.assert_allclose(out, [n, n])
+      np.testing.assert_allclose(collected['y'][0], [n, n])
 
 
 class CustomRuleTest(parameterized.TestCase):

@@ -202,16 +202,19 @@ class TopLevelTest(parameterized.TestCase):
 
     steering = Steering()  # steering.add is a new bound method every time
     h = np.cos(X) * 3.0
+    doubled = intervene(g, {'h': fn})
+    stepped = intervene(g, {'h': steering.add})
     assert_close(intervene(g, {'h': (R1,)})(X), np.sum(R1 * X))
-    assert_close(intervene(g, {'h': fn})(X), np.sum(h * 2.0 * X))
-    assert_close(intervene(g, {'h': steering.add})(X), np.sum((h + 1.0) * X))
+    assert_close(doubled(X), np.sum(h * 2.0 * X))
+    assert_close(stepped(X), np.sum((h + 1.0) * X))
     jax.monitoring.register_event_duration_secs_listener(on_event)
     try:
       for r in (R2, R1 * 3.0):
+        # New array values: a new intervene, the same compiled program.
         assert_close(intervene(g, {'h': (r,)})(X), np.sum(r * X))
-        assert_close(intervene(g, {'h': fn})(X), np.sum(h * 2.0 * X))
-        out = intervene(g, {'h': steering.add})(X)
-        assert_close(out, np.sum((h + 1.0) * X))
+        # An intervened function called again reuses its trace.
+        assert_close(doubled(X), np.sum(h * 2.0 * X))
+        assert_close(stepped(X), np.sum((h + 1.0) * X))
     finally:
       jax.monitoring.unregister_event_duration_listener(on_event)
     # g is traced once for array replacements and once for callables (which
@@ -219,6 +222,27 @@ class TopLevelTest(parameterized.TestCase):
     # neither traced nor compiled again.
     self.assertLen(calls, 2)
     self.assertEqual(compiles, [])
+
+  def test_new_intervene_traces_its_callable_again(self):
+    # A sweep that builds intervene(...) per setting sees every setting, also
+    # when the callable object is the same and f is jitted.
+    g = jax.jit(two_layers)
+
+    class Steering:
+      alpha = 0.0
+
+      def __call__(self, v):
+        return v + self.alpha
+
+    def by_hand(alpha):  # both sows of 'h' steered
+      h = np.tanh(np.asarray(X) @ np.asarray(W)) + alpha
+      second = np.sin(h) * 2.0 + alpha
+      return np.sum(second**2) + np.sum(h)
+
+    steer = Steering()
+    for alpha in (0.0, 1.0, 2.5):
+      steer.alpha = alpha
+      assert_close(intervene(g, {'h': steer})(X), by_hand(alpha))
 
   def test_cache_does_not_keep_callables_alive(self):
     g = jax.jit(two_layers)
@@ -1218,3 +1242,42 @@ class ErrorTest(parameterized.TestCase):
 
 if __name__ == '__main__':
   absltest.main()
+
+
+class CollectedFromGradientRunTest(absltest.TestCase):
+
+  def test_cotangents_are_not_patched_in_as_values(self):
+    def loss(x):
+      h = sow(jnp.tanh(x * 2.0), name='h')
+      g = perturb(jnp.sin(h), name='g')
+      return jnp.sum(g**2)
+
+    clean, corrupt = jnp.array([1.0, 0.5]), jnp.array([-1.0, 2.0])
+    _, collected = capture(jax.value_and_grad(loss))(clean)
+    self.assertEqual(collected.cotangents, frozenset({'g'}))
+    with self.assertRaisesRegex(
+        ValueError, r"values\['g'\] holds the cotangents"
+    ):
+      intervene(loss, collected)(corrupt)
+    values = {
+        k: v for k, v in collected.items() if k not in collected.cotangents
+    }
+    expected = np.sum(np.sin(np.tanh(np.asarray(clean) * 2.0)) ** 2)
+    assert_close(intervene(loss, values)(corrupt), expected)
+
+  def test_functional_capture_of_module_perturb_has_no_internal_names(self):
+    class Probe(nnx.Module):
+
+      def __init__(self):
+        self.scale = nnx.Param(jnp.float32(2.0))
+
+      def __call__(self, x):
+        return jnp.sum(self.perturb('h', x * self.scale[...]) ** 2)
+
+    probe = Probe()
+    x = jnp.array([1.0, 2.0])
+    _, collected = capture(probe)(x)
+    self.assertEqual(list(collected), [])
+    _, collected = capture(jax.grad(lambda x: probe(x)))(x)
+    self.assertEqual(list(collected), [('h',)])
+    assert_close(collected[('h',)][0], 2.0 * np.asarray(x) * 2.0)

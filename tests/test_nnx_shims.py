@@ -130,9 +130,7 @@ class FailsTodayTest(parameterized.TestCase):
       hk = np.tanh(dense(hk) + x)
       expected_h.append(hk)
     close(state['h'][0], np.stack(expected_h))
-    close(
-        state['dense']['act'][0], np.stack(expected_act)
-    )
+    close(state['dense']['act'][0], np.stack(expected_act))
     close(h, hk)
 
   def test_3_nnx_scan_broadcast_cell(self):
@@ -146,8 +144,9 @@ class FailsTodayTest(parameterized.TestCase):
     def forward(cell, h0, xs):
       return unroll(cell, h0, xs)
 
-    xs = np.array([[0.5, -0.5], [0.25, 0.0], [0.0, 1.0], [2.0, 1.0]],
-                  np.float32)
+    xs = np.array(
+        [[0.5, -0.5], [0.25, 0.0], [0.0, 1.0], [2.0, 1.0]], np.float32
+    )
     h0 = np.zeros(2, np.float32)
     (h, hs), state = nnx.capture(forward, nnx.Intermediate)(cell, h0, xs)
     acts, hk = [], h0
@@ -197,9 +196,7 @@ class FailsTodayTest(parameterized.TestCase):
     # Also while Hijax is the default (the result State holds plain
     # Variables, which can be made inside jax.jit).
     with nnx.var_defaults(hijax=True):
-      _, state = jax.jit(
-          lambda x: nnx.capture(model, nnx.Intermediate)(x)
-      )(x)
+      _, state = jax.jit(lambda x: nnx.capture(model, nnx.Intermediate)(x))(x)
     close(state['y'][0], x @ W)
     self.assertEqual(float(model.count[...]), 3.0)
 
@@ -344,8 +341,9 @@ class ShimTest(parameterized.TestCase):
   @parameterized.parameters(True, False)
   def test_inside_nnx_jit(self, graph_mode):
     model = Stack()
-    jitted = nnx.jit(lambda m, x: m(x), graph=graph_mode,
-                     graph_updates=graph_mode)
+    jitted = nnx.jit(
+        lambda m, x: m(x), graph=graph_mode, graph_updates=graph_mode
+    )
     x = np.array([1.0, 0.0], np.float32)
     _, state = nnx.capture(lambda m, x: jitted(m, x), nnx.Intermediate)(
         model, x
@@ -374,8 +372,13 @@ class ShimTest(parameterized.TestCase):
 
       def __call__(self, xs):
         for x in xs:
-          self.sow(nnx.Intermediate, 'total', x, init_fn=lambda: 0,
-                   reduce_fn=lambda a, b: a + b)
+          self.sow(
+              nnx.Intermediate,
+              'total',
+              x,
+              init_fn=lambda: 0,
+              reduce_fn=lambda a, b: a + b,
+          )
         return xs
 
     xs = np.array([[1.0, 2.0], [3.0, 4.0]], np.float32)
@@ -397,14 +400,15 @@ class ShimTest(parameterized.TestCase):
 
     x = np.array([0.5, 1.0], np.float32)
     model = Model()
-    y, state = nnx.capture(model, nnx.Intermediate,
-                           method_outputs=nnx.Intermediate)(x)
+    y, state = nnx.capture(
+        model, nnx.Intermediate, method_outputs=nnx.Intermediate
+    )(x)
     close(state['features'][0], np.sin(x))
     close(state['__call__'][0], dense(np.sin(x)))
-    close(state['dense']['__call__'][0],
-                               dense(np.sin(x)))
-    self.assertNotIn('_nnx_sow_method_output',
-                     getattr(Model.features, '__dict__', {}))
+    close(state['dense']['__call__'][0], dense(np.sin(x)))
+    self.assertNotIn(
+        '_nnx_sow_method_output', getattr(Model.features, '__dict__', {})
+    )
 
   def test_perturb_direct_and_four_step(self):
 
@@ -433,6 +437,7 @@ class ShimTest(parameterized.TestCase):
     def step(model, perturbations, x):
       def f(model, perturbations, x):
         return nnx.capture(model, nnx.Intermediate, init=perturbations)(x)
+
       (_, perturb_grads), _ = nnx.grad(f, argnums=(0, 1), has_aux=True)(
           model, perturbations, x
       )
@@ -443,7 +448,10 @@ class ShimTest(parameterized.TestCase):
 
   def test_multi_head_attention_sow_weights(self):
     layer = nnx.MultiHeadAttention(
-        num_heads=2, in_features=4, qkv_features=4, decode=False,
+        num_heads=2,
+        in_features=4,
+        qkv_features=4,
+        decode=False,
         rngs=nnx.Rngs(0),
     )
     x = jnp.ones((1, 3, 4))
@@ -459,6 +467,39 @@ class ShimTest(parameterized.TestCase):
       nnx.capture(Dense(), 'intermediates')
     with self.assertRaisesRegex(TypeError, 'first argument'):
       nnx.capture(lambda x: x, nnx.Intermediate)(np.ones(2))
+
+
+class RepeatedJitCaptureTest(absltest.TestCase):
+  """``nnx.capture`` around an ``nnx.jit`` step, called again and again."""
+
+  def test_every_call_collects(self):
+    class Net(nnx.Module):
+
+      def __init__(self, rngs):
+        self.lin = nnx.Linear(3, 2, rngs=rngs)
+
+      def __call__(self, x):
+        h = self.lin(x)
+        self.sow(nnx.Intermediate, 'h', h)
+        h = self.perturb('p', h)
+        return h.sum()
+
+    model = Net(nnx.Rngs(0))
+    fwd = nnx.jit(lambda m, x: m(x))
+    kernel, bias = model.lin.kernel[...], model.lin.bias[...]
+    for i in range(3):  # the jit is traced on the first call only
+      x = jnp.ones((2, 3)) * (i + 1)
+      _, inter = nnx.capture(fwd, nnx.Intermediate)(model, x)
+      self.assertEqual(list(inter.keys()), ['h'])
+      np.testing.assert_allclose(
+          inter['h'].value[0], np.asarray(x) @ kernel + bias, rtol=1e-6
+      )
+      grads, perturbations = nnx.capture(
+          nnx.jit(nnx.grad(lambda m, x: m(x))), nnx.Perturbation
+      )(model, x)
+      del grads
+      self.assertEqual(list(perturbations.keys()), ['p'])
+      np.testing.assert_allclose(perturbations['p'].value, np.ones((2, 2)))
 
 
 class GrowingReductionTest(absltest.TestCase):

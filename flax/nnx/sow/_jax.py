@@ -26,6 +26,7 @@ import typing as tp
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax._src import ad_checkpoint
 from jax._src import core
 from jax._src import custom_derivatives
@@ -391,3 +392,18 @@ def wrap_batch_shard_map(wrapper: tp.Callable) -> None:
 
   wrapped._sow_wrapped = True  # pylint: disable=protected-access
   batching.BatchTrace.process_shard_map = wrapped
+
+
+def off_manual_mesh(x: tp.Any) -> tp.Any:
+  """A concrete array typed for a ``shard_map`` body, placed as a plain one.
+
+  JAX can hand out a cached constant created inside a ``shard_map`` body (its
+  sharding names the manual abstract mesh) to code outside any, where it
+  does not type-check against arrays of other meshes.
+  """
+  if isinstance(x, core.Tracer) or not isinstance(x, jax.Array):
+    return x
+  mesh = getattr(typeof(x).sharding, 'mesh', None)
+  if isinstance(mesh, mesh_lib.AbstractMesh) and mesh.manual_axes:
+    return jax.device_put(np.array(x))
+  return x

@@ -92,6 +92,9 @@ class SowSite:
   eqn: _jax.JaxprEqn | None = dataclasses.field(default=None, compare=False)
   # The mesh axes of an enclosing ``shard_map`` the value varies over.
   sharded: ShardAxes | None = None
+  # Manual mesh axes the predicates of the enclosing loops and branches vary
+  # over: the site runs differently per shard (``loops.py``).
+  control_axes: frozenset = frozenset()
 
   @property
   def where(self) -> str:
@@ -533,6 +536,27 @@ class Collector:
     rewritten, layout = self.rewrite(jaxpr, specs)
     return rewritten, layout, self.accumulator_leaves(specs)
 
+  def vary_accumulators(
+      self, specs: tuple[ReducedSpec, ...], axes: frozenset
+  ) -> tuple[ReducedSpec, ...]:
+    """Marks the accumulators of ``specs`` as varying over manual ``axes``.
+
+    Inside ``shard_map``, a loop or branch whose predicate varies over mesh
+    axes runs differently per shard, so what it folds does too, even where
+    the values do not vary (a step counter); JAX's types do not say so.
+    """
+    if not axes:
+      return specs
+    out = []
+    for spec in specs:
+      acc = self.accumulators[spec.name]
+      acc = Accumulator(
+          acc.treedef, tuple(_jax.pvary(x, tuple(axes)) for x in acc.leaves)
+      )
+      self.accumulators[spec.name] = acc
+      out.append(dataclasses.replace(spec, avals=acc.avals))
+    return tuple(out)
+
   def accumulator_leaves(self, specs: tp.Sequence[ReducedSpec]) -> list:
     return [x for s in specs for x in self.accumulators[s.name].leaves]
 
@@ -615,6 +639,7 @@ class Collector:
         values = plain[name][::-1] if backward[name] else plain[name]
         out[name] = tuple(values)
       # else: only a marker (a perturb never differentiated): nothing.
+    out.cotangents = frozenset(n for n in out if n in backward and backward[n])
     return out
 
 
@@ -623,18 +648,25 @@ class Collected(dict):
 
   A plain ``dict`` is flattened in sorted key order, which fails for a mix of
   ``str`` and tuple names and would reorder names under ``jax.jit``; this
-  subclass flattens in the order of first sow.
+  subclass flattens in the order of first sow. ``cotangents`` names the
+  entries that are ``perturb`` cotangents (so ``intervene`` does not patch
+  a gradient in as a value).
   """
+
+  cotangents: frozenset = frozenset()
 
 
 def _flatten_collected(d):
   keys = tuple(d)
   children = [(jax.tree_util.DictKey(k), d[k]) for k in keys]
-  return children, keys
+  return children, (keys, d.cotangents)
 
 
-def _unflatten_collected(keys, values):
-  return Collected(zip(keys, values))
+def _unflatten_collected(aux, values):
+  keys, cotangents = aux
+  out = Collected(zip(keys, values))
+  out.cotangents = cotangents
+  return out
 
 
 jax.tree_util.register_pytree_with_keys(
@@ -899,7 +931,8 @@ def capture(
       shapes; an accumulator that changes type; one name with different
       reductions.
     NotImplementedError: a sow inside a construct with no capture rule (e.g.
-      ``shard_map``).
+      ``custom_linear_solve``), a plain sow in a ``shard_map`` that
+      ``jax.vmap`` maps over, a reduced sow in a nested ``shard_map``.
   """
   if not callable(f):
     raise TypeError(
@@ -961,6 +994,22 @@ class _EagerJitted:
     )
     self.f = f
     self.accepts_key = accepts_key
+    self.static_argnums = () if info is None else info.static_argnums
+    self.static_argnames = () if info is None else info.static_argnames
+
+  def _static_leaves(self, args, kwargs) -> list[bool]:
+    """Which leaves belong to the arguments ``f`` takes as static."""
+    static_pos = {i % len(args) for i in self.static_argnums if args}
+    flags = []
+    for i, a in enumerate(args):
+      n = len(jax.tree_util.tree_leaves(a, is_leaf=graph_lib.is_graph_leaf))
+      flags += [i in static_pos] * n
+    for k in sorted(kwargs):
+      n = len(
+          jax.tree_util.tree_leaves(kwargs[k], is_leaf=graph_lib.is_graph_leaf)
+      )
+      flags += [k in self.static_argnames] * n
+    return flags
 
   def __call__(self, args, kwargs):
     if not self.enabled or not primitive_lib.is_eager():
@@ -970,9 +1019,21 @@ class _EagerJitted:
     )
     if any(graph_lib.is_graph_leaf(x) or _jax.is_ref(x) for x in leaves):
       return None  # graph nodes and refs: their updates need the split path
-    mask = tuple(is_array(x) for x in leaves)
+    static = self._static_leaves(args, kwargs)
+    if len(static) != len(leaves):
+      return None
+    # As ``jax.jit``: arrays and the numbers of non-static arguments are
+    # traced (a number by its type, so 2 and 2.0 differ and a new value
+    # does not recompile); the rest is keyed by value.
+    mask = tuple(
+        is_array(x) or (not st and isinstance(x, _NUMBERS))
+        for x, st in zip(leaves, static)
+    )
     statics = tuple(x for x, a in zip(leaves, mask) if not a)
-    key = (self.accepts_key, in_tree, mask, statics)
+    types = tuple(
+        type(x) for x, a in zip(leaves, mask) if a and not is_array(x)
+    )
+    key = (self.accepts_key, in_tree, mask, statics, types)
     per_f = self._cache.get(self.f)
     try:
       run = None if per_f is None else per_f.get(key)
@@ -995,6 +1056,9 @@ class _EagerJitted:
           per_f.pop(next(iter(per_f)))
         per_f[key] = run
     return run(*(x for x, a in zip(leaves, mask) if a))
+
+
+_NUMBERS = (bool, int, float, complex, np.generic)
 
 
 def _run_captured(f_ref, accepts_key, in_tree, mask, statics, *arrays):

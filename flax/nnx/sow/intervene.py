@@ -38,7 +38,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import inspect
 import threading
 import typing as tp
 import weakref
@@ -110,10 +109,14 @@ class Injector:
       accepts_key,
       values: dict[Name, tp.Any],
       strict: bool,
+      token: tp.Any = None,
   ):
     self.accepts_key = accepts_key
     self.values = values  # name -> callable | Entries
     self.strict = strict
+    # One per intervene(...) call: rewrites that apply its callables are
+    # cached for it alone (see ``_cached_rewrite``).
+    self.token = token
     self.next: collections.Counter = collections.Counter()
     self.used: set[Name] = set()
 
@@ -261,7 +264,7 @@ class Injector:
         pos += n
       values[name] = Entries(tuple(entries), offset)
     # Names whose entries this scope does not get are not replaced in it.
-    return Injector(self.accepts_key, values, self.strict)
+    return Injector(self.accepts_key, values, self.strict, self.token)
 
   def rewrite(
       self,
@@ -297,7 +300,7 @@ class Injector:
           fn, [*closed.in_avals, *rep_avals], 'intervene_rewrite'
       )
 
-    return _cached_rewrite(closed, key, fns, build)
+    return _cached_rewrite(closed, key, fns, build, self.token)
 
   # -- the sow --------------------------------------------------------------
 
@@ -389,39 +392,28 @@ _rewrites: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _rewrites_lock = threading.Lock()
 
 
-def _cached_rewrite(closed, key, fns, build):
+def _cached_rewrite(closed, key, fns, build, token):
   """``cached(closed, key, build)`` for a rewrite that applies ``fns``.
 
-  The callables are part of the key, by ``id`` where they can be weakly
-  referenced: the entry is dropped when one of them is collected, so a
-  lambda made for one call (and the arrays or tracers it closes over) is
-  not kept alive by the cache, while a callable passed again hits it.
+  A callable is traced into the rewritten jaxpr, with whatever it reads
+  then (a global, an attribute, a closed-over list). So such a rewrite is
+  cached for one ``intervene(...)`` call (its ``token``) only: calling the
+  same ``g`` again reuses it, as ``jax.jit`` reuses a trace, while a new
+  ``intervene(f, {'h': steer})`` traces ``steer`` again. The entry is
+  dropped when ``g`` is collected, so a sweep over many ``intervene`` calls
+  does not accumulate entries (or the tracers a lambda closes over).
   """
-  weak, parts = [], []
-  for name, fn in fns:
-    # A bound method is made anew at every attribute access: its object
-    # and function say which it is.
-    owner = getattr(fn, '__self__', None) if inspect.ismethod(fn) else fn
-    try:
-      weakref.ref(owner)
-    except TypeError:  # e.g. a builtin: held by the key
-      parts.append((name, fn))
-    else:
-      weak.append(owner)
-      parts.append((name, id(owner), getattr(fn, '__func__', None)))
-  key = (*key, tuple(parts))
-  if not weak:
+  if not fns:
     return cached(closed, key, build)
+  key = (*key, tuple(name for name, _ in fns), id(token))
   per_jaxpr = _rewrites.get(closed)
   if per_jaxpr is not None and key in per_jaxpr:
     return per_jaxpr[key]
   result = build()
   with _rewrites_lock:
     _rewrites.setdefault(closed, {})[key] = result
-  closed_ref = weakref.ref(closed)
-  for owner in weak:
-    # Runs before the owner's id can be reused.
-    weakref.finalize(owner, _evict, closed_ref, key)
+  # Runs before the token's id can be reused.
+  weakref.finalize(token, _evict, weakref.ref(closed), key)
   return result
 
 
@@ -688,6 +680,15 @@ intervene_rules[_jax.custom_vjp_call_p] = _custom_vjp_rule
 
 
 def _normalize(values) -> dict[Name, tp.Any]:
+  cotangents = [n for n in getattr(values, 'cotangents', ()) if n in values]
+  if cotangents:
+    raise ValueError(
+        f'intervene: values[{cotangents[0]!r}] holds the cotangents that'
+        ' capture collected for a perturb (gradients, not values), so'
+        ' patching them in would replace the perturbed value with its'
+        ' gradient. Drop those names: {k: v for k, v in collected.items()'
+        ' if k not in collected.cotangents}.'
+    )
   if not isinstance(values, tp.Mapping):
     raise TypeError(
         'intervene: values must be a mapping from sow name to a tuple of'
@@ -812,11 +813,15 @@ def intervene(
         intervene(g, values, tags=tags, strict=strict), tags=capture_tags
     )
 
+  token = _Token()
+
   @functools.wraps(f)
   def intervened(*args, **kwargs):
     out, _ = graph_lib.functional_graph_call(
         lambda pure_f, a, kw: (
-            _stage_and_intervene(pure_f, accepts_key, values, strict, a, kw),
+            _stage_and_intervene(
+                pure_f, accepts_key, values, strict, token, a, kw
+            ),
             None,
         ),
         f,
@@ -831,14 +836,20 @@ def intervene(
   return intervened
 
 
-def _stage_and_intervene(f, accepts_key, values, strict, args, kwargs):
+class _Token:
+  """Identifies one ``intervene(...)`` call (see ``_cached_rewrite``)."""
+
+  __slots__ = ('__weakref__',)
+
+
+def _stage_and_intervene(f, accepts_key, values, strict, token, args, kwargs):
   key = Intervening(
       frozenset(values),
       frozenset(n for n, v in values.items() if isinstance(v, Entries)),
       accepts_key,
   )
   staged = stage(f, key, args, kwargs)
-  injector = Injector(accepts_key, values, strict)
+  injector = Injector(accepts_key, values, strict, token)
   closed = staged.closed
   injector.check_sites(closed.jaxpr)
   outs = eval_intervening(closed.jaxpr, closed.consts, staged.arrays, injector)

@@ -40,6 +40,7 @@ from flax.nnx.sow.capture import Layout
 from flax.nnx.sow.capture import cached
 from flax.nnx.sow.capture import collect_rules
 from flax.nnx.sow.capture import construct_names
+from flax.nnx.sow.capture import site_annotations
 from flax.nnx.sow.capture import sow_sites
 from flax.nnx.sow.capture import strong
 
@@ -174,7 +175,13 @@ def _while_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
         ' example is done, so the reduction would also count finished'
         ' examples. Put the vmap around the capture (jax.vmap(capture(f))).'
     )
-  rewritten, layout, acc_in = collector.prepare(body)
+  # A predicate that varies over mesh axes (inside shard_map) makes every
+  # accumulator the loop carries vary over them.
+  specs = collector.vary_accumulators(
+      collector.reduced_specs([body]), _jax.varying_axes(cond.out_avals[0])
+  )
+  rewritten, layout = collector.rewrite(body, specs)
+  acc_in = collector.accumulator_leaves(specs)
   n_acc = len(acc_in)
   n_carry = len(body.out_avals)
 
@@ -230,6 +237,20 @@ def _while_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
 
 collect_rules[_jax.while_p] = _while_rule
 construct_names[_jax.while_p] = '`lax.while_loop`'
+
+
+def _control_axes(axes, site):
+  if not axes:
+    return site
+  return dataclasses.replace(site, control_axes=site.control_axes | axes)
+
+
+site_annotations[_jax.while_p] = lambda eqn, site: _control_axes(
+    _jax.varying_axes(eqn.params['cond_jaxpr'].out_avals[0]), site
+)
+site_annotations[_jax.cond_p] = lambda eqn, site: _control_axes(
+    _jax.varying_axes(eqn.invars[0].aval), site
+)
 
 
 # ----------------------------------------------------------------------------
@@ -363,7 +384,10 @@ def _strong_avals(avals):
 
 def _cond_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
   branches = eqn.params['branches']
-  specs = collector.reduced_specs(branches)
+  # An index that varies over mesh axes (inside shard_map) picks a branch
+  # per shard, so what the branches sow varies over them too.
+  axes = _jax.varying_axes(_jax.typeof(invals[0]))
+  specs = collector.vary_accumulators(collector.reduced_specs(branches), axes)
   acc_in = collector.accumulator_leaves(specs)
   n_out = len(eqn.outvars)
   new_branches, layout = align_branches(
@@ -378,6 +402,8 @@ def _cond_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
       *ops,
       **dict(eqn.params, branches=new_branches),
   )
+  if axes:
+    outs = [*outs[:n_out], *(_jax.pvary(x, tuple(axes)) for x in outs[n_out:])]
   return collector.split_outputs(layout, outs, n_out)
 
 

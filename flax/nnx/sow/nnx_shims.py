@@ -336,7 +336,9 @@ def module_perturb(self, name: str, value, variable_type=nnx.Perturbation):
       scope.record(full, 'perturb_init', variable_type)
       sow(init[1], name=_zeros_name(full), tag=PerturbationInit(variable_type))
     return jax.tree.map(operator.add, init[1], value)
-  if accepted:
+  if accepted and scope.kind == 'nnx':
+    # nnx.capture returns zeros for a perturbation nothing differentiates
+    # (Flax's step 1); a functional capture has no such entry.
     scope.record(full, 'perturb', variable_type)
     sow(
         jax.tree.map(jnp.zeros_like, value),
@@ -463,6 +465,7 @@ def _sum_entries(entries):
 
 
 def _build_state(scope: Scope, collected, variable_type, init_entries):
+  scope.with_earlier_records()
   flat: dict[Path, tp.Any] = {}
   for full, (kind, vt) in scope.records.items():
     if vt is not variable_type:

@@ -105,6 +105,13 @@ def _graph_nodes(node) -> tp.Iterator[tuple[Path, tp.Any]]:
 EXACT, MERGED, STRUCTURE = 'exact', 'merged', 'structure'
 
 
+# Records of earlier captures, by the jit cache key they staged under
+# (``Scope.with_earlier_records``); the most recent keys are kept.
+_EARLIER: dict[tuple, tuple[dict, dict, set]] = {}
+_EARLIER_LOCK = threading.Lock()
+_EARLIER_MAX = 256
+
+
 class Scope:
   """What one active capture knows: its roots, tags, records and init."""
 
@@ -132,6 +139,31 @@ class Scope:
     self.structure: list[tuple[Path, type]] = []
     self.splits: dict[int, tuple[tp.Any, tp.Any]] = {}  # graphdef, source
     self._by_graphdef: list | None = None
+    self.key: tuple | None = None  # the jit cache key it staged under
+
+  def with_earlier_records(self) -> None:
+    """Adds what earlier captures under the same jit cache key recorded.
+
+    ``Module.sow`` records a name when its Python runs. A ``jax.jit`` or
+    ``nnx.jit`` inside the captured function that was traced by an earlier
+    capture with the same key is not traced again, so its sows reach this
+    capture without their records; those come from the earlier capture.
+    """
+    if self.key is None:
+      return
+    with _EARLIER_LOCK:
+      earlier = _EARLIER.pop(self.key, None)
+      records, folds, prefixed = earlier or ({}, {}, set())
+      records = {**records, **self.records}
+      folds = {**folds, **self.folds}
+      prefixed = prefixed | self.prefixed
+      _EARLIER[self.key] = (records, folds, prefixed)  # most recent last
+      while len(_EARLIER) > _EARLIER_MAX:
+        _EARLIER.pop(next(iter(_EARLIER)))
+    for full, record in records.items():
+      self.records.setdefault(full, record)
+    self.folds = folds
+    self.prefixed = prefixed
 
   def accepts(self, tag) -> bool:
     return self.types is None or tag in self.types
@@ -320,7 +352,10 @@ class trace_key:
   """Keys jit caches on the active scopes while the captured function runs."""
 
   def __enter__(self):
-    self._key = TRACE_KEY(tuple(s.fingerprint() for s in LOCAL.scopes))
+    key = tuple(s.fingerprint() for s in LOCAL.scopes)
+    if LOCAL.scopes:
+      LOCAL.scopes[-1].key = key
+    self._key = TRACE_KEY(key)
     self._key.__enter__()
 
   def __exit__(self, *exc):

@@ -193,11 +193,12 @@ def initial_accumulator(
   snap = reduction.snapshot
   if snap is not None:
     leaves = _jax.eval_closed(snap.init, list(closure)[: snap.n_init_closure])
+    leaves = [_jax.off_manual_mesh(x) for x in leaves]
     treedef = snap.init_treedef
     avals = snap.acc_avals
   else:
     leaves, treedef = jax.tree_util.tree_flatten(reduction.init_fn())
-    leaves = [jax.numpy.asarray(x) for x in leaves]
+    leaves = [_jax.off_manual_mesh(jax.numpy.asarray(x)) for x in leaves]
 
     def fold_fn(*a):
       k = len(a) - len(value_avals)

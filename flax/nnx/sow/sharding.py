@@ -94,6 +94,9 @@ def _annotate(eqn: _jax.JaxprEqn, site: SowSite) -> SowSite:
   sow = site.eqn
   n = len(sow.invars) - sow.params['n_closure']
   names = _varying(eqn.params, [v.aval for v in sow.invars[:n]])
+  # A loop or branch whose predicate varies over an axis runs differently
+  # per shard there, whatever the value's own type says.
+  names |= site.control_axes & frozenset(eqn.params['newly_manual_axes'])
   return dataclasses.replace(
       site, sharded=ShardAxes(_manual_axes(eqn.params), names)
   )

@@ -1201,6 +1201,19 @@ class ErrorTest(parameterized.TestCase):
       intervene(f, {'h': (R1,)})(X)
 
   def test_construct_without_a_rule(self):
+    def f(b):
+      return jax.lax.custom_linear_solve(
+          lambda v: sow(v, name='h') * 2.0, b, solve=lambda mv, b: b / 2.0
+      )
+
+    with self.assertRaisesRegex(
+        NotImplementedError,
+        r"sow 'h' \(at .*\) is inside `custom_linear_solve`.*no rule"
+        r'.*intervene_rules',
+    ):
+      intervene(f, {'h': lambda v: v})(X)
+
+  def test_array_inside_shard_map(self):
     mesh = jax.make_mesh((2,), ('i',), devices=jax.devices()[:2])
 
     def f(x):
@@ -1213,10 +1226,12 @@ class ErrorTest(parameterized.TestCase):
 
     with self.assertRaisesRegex(
         NotImplementedError,
-        r"sow 'h' \(at .*\) is inside `jax.shard_map`.*no rule"
-        r'.*intervene_rules',
+        r"sow 'h' \(at .*\) is inside `jax.shard_map`.*array replacements"
+        r'.*callable',
     ):
-      intervene(f, {'h': lambda v: v})(X)
+      intervene(f, {'h': (X * 2.0,)})(X)
+    # A callable is applied to each shard's value.
+    assert_close(intervene(f, {'h': lambda v: v + 1.0})(X), X * 2.0 + 1.0)
 
   def test_values_not_a_mapping(self):
     with self.assertRaisesRegex(

@@ -492,14 +492,16 @@ class RepeatedJitCaptureTest(absltest.TestCase):
       _, inter = nnx.capture(fwd, nnx.Intermediate)(model, x)
       self.assertEqual(list(inter.keys()), ['h'])
       np.testing.assert_allclose(
-          inter['h'].value[0], np.asarray(x) @ kernel + bias, rtol=1e-6
+          inter['h'].get_value()[0], np.asarray(x) @ kernel + bias, rtol=1e-6
       )
       grads, perturbations = nnx.capture(
           nnx.jit(nnx.grad(lambda m, x: m(x))), nnx.Perturbation
       )(model, x)
       del grads
       self.assertEqual(list(perturbations.keys()), ['p'])
-      np.testing.assert_allclose(perturbations['p'].value, np.ones((2, 2)))
+      np.testing.assert_allclose(
+          perturbations['p'].get_value(), np.ones((2, 2))
+      )
 
 
 class GrowingReductionTest(absltest.TestCase):

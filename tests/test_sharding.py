@@ -50,6 +50,7 @@ import pytest
 from flax import nnx
 
 from flax.nnx.sow import capture
+from flax.nnx.sow import intervene
 from flax.nnx.sow import perturb
 from flax.nnx.sow import sow
 from flax.nnx.sow import _jax
@@ -1299,3 +1300,33 @@ class ReviewRegressionTest(parameterized.TestCase):
 
     _, collected = capture(f)(place(xs, mesh, P('data')))
     np.testing.assert_allclose(collected['total'], xs.sum())
+
+
+class InterveneTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(*AXIS_TYPES)
+  def test_callable_applied_per_shard(self, axis_type):
+    mesh = make_mesh((8,), ('data',), axis_type)
+    xs = (np.arange(16, dtype=np.float32) / 10).reshape(8, 2)
+    steer = np.array([1.0, -1.0], np.float32)
+
+    def body(x):
+      h = sow(jnp.tanh(x), name='h')
+      return jax.lax.psum((h * 2.0).sum(), 'data')
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=P('data'), out_specs=P())
+    x = place(xs, mesh, P('data'))
+    steered = intervene(f, {'h': lambda h: h + steer})
+    expected = ((np.tanh(xs) + steer) * 2.0).sum()
+    assert_close(steered(x), expected, rtol=1e-5)
+    assert_close(jax.jit(steered)(x), expected, rtol=1e-5)
+    _, collected = capture(steered)(x)
+    assert_close(
+        collected['h'][0], (np.tanh(xs) + steer).reshape(8, 1, 2), rtol=1e-5
+    )
+    pmapped = jax.pmap(lambda x: sow(x * 2.0, name='p').sum())
+    assert_close(
+        intervene(pmapped, {'p': lambda v: v + 1.0})(xs),
+        (xs * 2.0 + 1.0).sum(1),
+        rtol=1e-5,
+    )

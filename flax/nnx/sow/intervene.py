@@ -266,6 +266,15 @@ class Injector:
     # Names whose entries this scope does not get are not replaced in it.
     return Injector(self.accepts_key, values, self.strict, self.token)
 
+  def fns_in(self, jaxpr: _jax.Jaxpr) -> tuple[tuple[Name, tp.Any], ...]:
+    """The callables of the names ``jaxpr`` sows."""
+    sown = {s.name for s in sow_sites(jaxpr)}
+    return tuple(
+        (n, v)
+        for n, v in self.values.items()
+        if not isinstance(v, Entries) and n in sown
+    )
+
   def rewrite(
       self,
       closed: _jax.ClosedJaxpr,
@@ -274,12 +283,7 @@ class Injector:
   ) -> _jax.ClosedJaxpr:
     """``closed`` taking the replacement leaves as trailing inputs, with its
     sows replaced (cached per jaxpr, replacement layout and callables)."""
-    sown = {s.name for s in sow_sites(closed.jaxpr)}
-    fns = tuple(
-        (n, v)
-        for n, v in self.values.items()
-        if not isinstance(v, Entries) and n in sown
-    )
+    fns = self.fns_in(closed.jaxpr)
     key = (
         'intervene',
         self.accepts_key,
@@ -345,6 +349,9 @@ class Injector:
         strong(x) if not _jax.typeof(a).weak_type else x
         for x, a in zip(new_leaves, leaves)
     ]
+    # Inside shard_map, a replacement varies over the mesh axes the value
+    # did (a constant steering vector added per shard, say).
+    new_leaves = [_jax.vary_like(x, a) for x, a in zip(new_leaves, leaves)]
     return _jax.bind_equation(rebind, [*new_leaves, *closure])
 
   def check_sites(self, jaxpr: _jax.Jaxpr) -> None:
@@ -664,6 +671,41 @@ def _custom_vjp_rule(injector, eqn, invals):
   )
 
 
+def _shard_map_rule(injector, eqn, invals):
+  p = eqn.params
+  body = p['jaxpr']
+  counts = injector.consumed(body)
+  if any(counts.values()):
+    name = next(n for n, c in counts.items() if c)
+    site = next(s for s in sow_sites(body) if s.name == name)
+    raise NotImplementedError(
+        f'intervene: sow {name!r}{site.where} is inside `jax.shard_map` (or'
+        ' `jax.pmap`), where array replacements are not supported yet. Pass'
+        " a callable (values[name] = fn, applied to each shard's value), or"
+        ' replace the value outside the shard_map.'
+    )
+  mesh, manual, check_vma = p['mesh'], p['newly_manual_axes'], p['check_vma']
+
+  def build():
+    def fn(*args):
+      return eval_intervening(body, (), args, injector.inner((), []))
+
+    with _jax.shard_map_context(mesh, manual, check_vma):
+      closed = _jax.trace_to_closed_jaxpr(
+          fn, body.in_avals, 'shard_map_intervene'
+      )
+      return _jax.close_over_nothing(closed)
+
+  key = ('intervene_shard_map', injector.accepts_key, staging_active())
+  jaxpr, consts = _cached_rewrite(
+      body, key, injector.fns_in(body), build, injector.token
+  )
+  const_specs = tuple(_jax.replicated_spec(_jax.typeof(c)) for c in consts)
+  new_params = dict(p, jaxpr=jaxpr, in_specs=(*const_specs, *p['in_specs']))
+  return _jax.bind_equation(eqn.replace(params=new_params), [*consts, *invals])
+
+
+intervene_rules[_jax.shard_map_p] = _shard_map_rule
 intervene_rules[_jax.jit_p] = _jit_rule
 intervene_rules[_jax.closed_call_p] = _closed_call_rule
 intervene_rules[_jax.call_p] = _call_rule

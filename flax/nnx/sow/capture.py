@@ -830,31 +830,39 @@ def eval_collecting(
     collector: Collector,
 ) -> list[tp.Any]:
   """Evaluates ``jaxpr`` on the current trace, collecting into ``collector``."""
+  return interpret(jaxpr, consts, args, collector, collect_rules, _unsupported)
+
+
+def interpret(jaxpr, consts, args, handler, rules, unsupported) -> list:
+  """The loop of :func:`eval_collecting` (and of ``intervene``).
+
+  Binds every equation of ``jaxpr`` as ``jax.core.eval_jaxpr`` would, except
+  that a sow goes to ``handler.on_sow(eqn, invals)`` and a higher-order
+  primitive whose sub-jaxprs ``handler.has_work`` to ``rules[primitive]``
+  (``unsupported(eqn, handler)`` is raised where there is none).
+  """
   env: dict[_jax.Var, tp.Any] = {}
 
   def read(v):
     return v.val if isinstance(v, _jax.Literal) else env[v]
 
-  for v, x in zip(jaxpr.constvars, consts):
-    env[v] = x
-  for v, x in zip(jaxpr.invars, args):
-    env[v] = x
+  env.update(zip(jaxpr.constvars, consts))
+  env.update(zip(jaxpr.invars, args))
   for eqn in jaxpr.eqns:
     invals = [read(v) for v in eqn.invars]
     with _jax.equation_context(eqn):
       if eqn.primitive is sow_p:
-        outs = collector.on_sow(eqn, invals)
+        outs = handler.on_sow(eqn, invals)
       else:
         subs = list(_jax.jaxprs_in_params(eqn.params))
-        if subs and collector.has_work(subs):
-          rule = collect_rules.get(eqn.primitive)
+        if subs and handler.has_work(subs):
+          rule = rules.get(eqn.primitive)
           if rule is None:
-            raise _unsupported(eqn, collector)
-          outs = rule(collector, eqn, invals)
+            raise unsupported(eqn, handler)
+          outs = rule(handler, eqn, invals)
         else:
           outs = _jax.bind_equation(eqn, invals)
-    for v, x in zip(eqn.outvars, outs):
-      env[v] = x
+    env.update(zip(eqn.outvars, outs))
   return [_jax.as_value(read(v)) for v in jaxpr.outvars]
 
 

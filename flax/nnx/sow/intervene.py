@@ -50,6 +50,7 @@ from flax.nnx.sow import graph as graph_lib
 from flax.nnx.sow.capture import accepts
 from flax.nnx.sow.capture import as_jaxpr
 from flax.nnx.sow.capture import cached
+from flax.nnx.sow.capture import interpret
 from flax.nnx.sow.capture import construct_name
 from flax.nnx.sow.capture import sow_sites
 from flax.nnx.sow.capture import stage
@@ -450,29 +451,7 @@ def eval_intervening(
     injector: Injector,
 ) -> list[tp.Any]:
   """Evaluates ``jaxpr`` on the current trace with sows replaced."""
-  env: dict[_jax.Var, tp.Any] = {}
-
-  def read(v):
-    return v.val if isinstance(v, _jax.Literal) else env[v]
-
-  env.update(zip(jaxpr.constvars, consts))
-  env.update(zip(jaxpr.invars, args))
-  for eqn in jaxpr.eqns:
-    invals = [read(v) for v in eqn.invars]
-    with _jax.equation_context(eqn):
-      if eqn.primitive is sow_p:
-        outs = injector.on_sow(eqn, invals)
-      else:
-        subs = list(_jax.jaxprs_in_params(eqn.params))
-        if subs and injector.has_work(subs):
-          rule = intervene_rules.get(eqn.primitive)
-          if rule is None:
-            raise _unsupported(eqn, injector)
-          outs = rule(injector, eqn, invals)
-        else:
-          outs = _jax.bind_equation(eqn, invals)
-    env.update(zip(eqn.outvars, outs))
-  return [_jax.as_value(read(v)) for v in jaxpr.outvars]
+  return interpret(jaxpr, consts, args, injector, intervene_rules, _unsupported)
 
 
 def _unsupported(eqn, injector) -> NotImplementedError:

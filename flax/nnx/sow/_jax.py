@@ -68,6 +68,9 @@ shard_aval = core.shard_aval
 cond_p = lax_control_flow.cond_p
 
 typeof = core.typeof
+Trace = core.Trace
+set_current_trace = core.set_current_trace
+current_source_info = source_info_util.current
 eval_jaxpr = core.eval_jaxpr
 trace_ctx = core.trace_ctx
 convert_constvars_jaxpr = pe.convert_constvars_jaxpr
@@ -129,6 +132,25 @@ def debug_info(name: str, num_args: int) -> lu.DebugInfo:
 
 def wrap_init(fn: tp.Callable, name: str, num_args: int) -> lu.WrappedFun:
   return lu.wrap_init(fn, debug_info=debug_info(name, num_args))
+
+
+def _stores(fun: lu.WrappedFun) -> list[lu.Store]:
+  return [
+      s._store if isinstance(s, lu.EqualStore) else s  # pylint: disable=protected-access
+      for s in fun.stores
+      if s is not None
+  ]
+
+
+def stores_filled(fun: lu.WrappedFun) -> bool:
+  """Whether calling ``fun`` has written its auxiliary outputs."""
+  return any(bool(s) for s in _stores(fun))
+
+
+def reset_stores(fun: lu.WrappedFun) -> None:
+  """Forgets the auxiliary outputs calling ``fun`` wrote."""
+  for s in _stores(fun):
+    s.reset()
 
 
 def trace_to_closed_jaxpr(

@@ -39,6 +39,7 @@ import typing as tp
 import weakref
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from flax.nnx.sow import _jax
@@ -430,19 +431,31 @@ class Collector:
     p = eqn.params
     if p['remat_copy'] or not self.accepts(p['tag'], p['reduction'], p['kind']):
       return _jax.bind_equation(eqn, invals)
+    return self.sow(p, invals, where(eqn))
+
+  def sow(self, p: dict[str, tp.Any], invals: list[tp.Any], where_) -> list:
+    """Records one accepted sow with parameters ``p``; returns its value.
+
+    ``where_`` formats as `` (at file:line)`` for errors.
+    """
     if p['kind'] in MARKER_KINDS:
       # Collects nothing; the name takes its place in the order of first
       # sow here (a perturb's cotangent arrives later, in the backward pass).
       self.names.setdefault(p['name'], None)
       return invals
-    invals = [x if is_array(x) else jax.numpy.asarray(x) for x in invals]
+    invals = [
+        x
+        if isinstance(x, (jax.Array, jax.core.Tracer)) or _jax.is_ref(x)
+        else jnp.asarray(x)
+        for x in invals
+    ]
     n = len(invals) - p['n_closure']
     values, closure = invals[:n], invals[n:]
     if p['reduction'] is None:
       spec = EntrySpec(
           p['name'], p['tag'], p['treedef'], len(values), p['kind']
       )
-      self.add_entry(spec, values, where(eqn))
+      self.add_entry(spec, values, where_)
     else:
       self.reduce(
           p['name'],
@@ -450,7 +463,7 @@ class Collector:
           p['treedef'],
           values,
           p['batch_dims'],
-          where(eqn),
+          where_,
           closure,
       )
     return values
@@ -1148,11 +1161,9 @@ def stage_and_collect(
     args: tuple[tp.Any, ...],
     kwargs: dict[str, tp.Any],
 ) -> tuple[tp.Any, Collected]:
-  """``capture``'s work once graph nodes are split: stage, rewrite, evaluate."""
-  staged = stage(f, accepts_key, args, kwargs)
-  collector = Collector(accepts_key)
-  outs = collect_program(staged.closed, staged.arrays, collector)
-  return staged.output(outs), collector.result()
+  """``capture``'s work once graph nodes are split: run ``f`` under a
+  ``toplevel.CaptureTrace``, which collects its sows as they are bound."""
+  return toplevel.trace_and_collect(f, accepts_key, args, kwargs)
 
 
 def collect_program(
@@ -1196,3 +1207,7 @@ def rewrite_program(
     return [*outs, *jax.tree_util.tree_leaves(collector.result())]
 
   return _jax.trace_to_closed_jaxpr(fn, closed.in_avals, 'rewrite_program')
+
+
+# The top level registers on this module; imported last (it reads Collector).
+from flax.nnx.sow import toplevel  # pylint: disable=g-import-not-at-top,g-bad-import-order

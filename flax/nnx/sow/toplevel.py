@@ -1,0 +1,241 @@
+# Copyright 2026 The Flax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""The top level of a capture: a trace that collects sows as ``f`` binds them.
+
+``capture(f)(*args)`` runs ``f`` with a :class:`CaptureTrace` as JAX's current
+trace. The trace stands between ``f`` and the trace the capture was called in,
+its *parent* (eager evaluation, an enclosing ``jit``'s staging, ``grad``'s
+JVP, ``vmap``'s batching). It has no tracers of its own: every value ``f``
+sees is the parent's, and every primitive ``f`` binds is handed to the parent
+as it is, except
+
+* an accepted ``sow``: the :class:`~capture.Collector` records its operands,
+  which are the parent's values, and the sow is not bound;
+* a higher-order primitive whose sub-jaxprs hold accepted sows: it is staged
+  alone into a one-equation jaxpr, which the capture loop
+  (``capture.interpret``) evaluates on the parent, so the rule registered for
+  the primitive in ``collect_rules`` rewrites it;
+* a call that carries Python functions instead of jaxprs (``custom_jvp``,
+  ``custom_vjp``, ``shard_map``, ``core.call``): it is staged alone the same
+  way first, to see whether its functions sow.
+
+So eagerly ``f`` runs op by op as under plain JAX, and inside ``jax.jit``
+each equation of ``f`` is staged once, into the caller's jaxpr: there is no
+second program to copy. The idea is oryx ``harvest``'s (a trace that reaps
+sows), kept to the top level; everything below it is the jaxpr rewrite.
+"""
+
+from __future__ import annotations
+
+import typing as tp
+
+import jax
+import numpy as np
+
+from flax.nnx.sow import _jax
+from flax.nnx.sow import capture as capture_lib
+from flax.nnx.sow.primitive import sow_p
+from flax.nnx.sow.primitive import staging
+
+_JAXPRS = (_jax.Jaxpr, _jax.ClosedJaxpr)
+
+
+class _Where:
+  """`` (at file:line)`` of the user's call of a sow, formatted on demand."""
+
+  __slots__ = ('source_info',)
+
+  def __init__(self, source_info):
+    self.source_info = source_info
+
+  def __format__(self, spec):
+    return f' (at {_jax.summarize_source(self.source_info)})'
+
+  __str__ = __repr__ = lambda self: format(self)
+
+
+def _has_jaxprs(params: dict[str, tp.Any]) -> bool:
+  # What ``jax.core.jaxprs_in_params`` finds, without a generator.
+  for v in params.values():
+    if isinstance(v, _JAXPRS) or (
+        isinstance(v, tuple) and any(isinstance(x, _JAXPRS) for x in v)
+    ):
+      return True
+  return False
+
+
+class CaptureTrace(_jax.Trace):
+  """Hands what ``f`` binds to ``parent``, collecting accepted sows.
+
+  Args:
+    parent: the trace that was current when the capture was called.
+    collector: where the sows go (``capture.Collector``).
+  """
+
+  def __init__(self, parent, collector: capture_lib.Collector):
+    super().__init__()
+    self.parent = parent
+    self.collector = collector
+    # Lowering of Hijax types happens where the parent wants it.
+    self.requires_low = parent.requires_low
+
+  def process_primitive(self, primitive, args, params, /):
+    if primitive is sow_p:
+      c = self.collector
+      if not params['remat_copy'] and c.accepts(
+          params['tag'], params['reduction'], params['kind']
+      ):
+        where_ = _Where(_jax.current_source_info())
+        with _jax.set_current_trace(self.parent):
+          return c.sow(params, list(args), where_)
+    elif _has_jaxprs(params) and self.collector.has_work(
+        _jax.jaxprs_in_params(params)
+    ):
+      return self._collect_alone(
+          lambda *xs: primitive.bind(*xs, **params),
+          args,
+          primitive,
+      )
+    # Called by ``bind`` with the eval trace current, as the parent expects.
+    return self.parent.process_primitive(primitive, args, params)
+
+  def process_call(self, primitive, f, args, params, /):
+    return self._collect_alone(
+        lambda *xs: primitive.bind(*xs, subfuns=(f,), **params),
+        args,
+        primitive,
+    )
+
+  def process_custom_jvp_call(
+      self, primitive, fun, jvp, args, /, *, symbolic_zeros
+  ):
+    outs = self._collect_alone(
+        lambda *xs: primitive.bind(
+            *xs, subfuns=(fun, jvp), symbolic_zeros=symbolic_zeros
+        ),
+        args,
+        primitive,
+    )
+    _one_rule_called(fun, jvp)
+    return outs
+
+  def process_custom_vjp_call(
+      self, primitive, fun, fwd, bwd, args, /, *, out_trees, symbolic_zeros
+  ):
+    outs = self._collect_alone(
+        lambda *xs: primitive.bind(
+            *xs,
+            subfuns=(fun, fwd, bwd),
+            out_trees=out_trees,
+            symbolic_zeros=symbolic_zeros,
+        ),
+        args,
+        primitive,
+    )
+    _one_rule_called(fun, fwd)
+    return outs
+
+  def process_shard_map(self, primitive, fun, args, **params):
+    # ``shard_map`` returns a ``FlatTree`` of its outputs.
+    tree = []
+
+    def bind(*xs):
+      out = primitive.bind(*xs, subfuns=(fun,), **params)
+      tree.append(out)
+      return list(out)
+
+    outs = self._collect_alone(bind, args, primitive, multiple_results=True)
+    return tree[0].update(outs)
+
+  def stage_value(self, val):
+    return self.parent.stage_value(val)
+
+  def cur_qdd(self, x):
+    return self.parent.cur_qdd(x)
+
+  def _collect_alone(self, bind, args, primitive, multiple_results=None):
+    """Stages ``bind(*args)`` alone, then evaluates it on the parent,
+    collecting its sows."""
+    if multiple_results is None:
+      multiple_results = primitive.multiple_results
+
+    def one_equation(*xs):
+      out = bind(*xs)
+      return list(out) if multiple_results else [out]
+
+    closed = _jax.trace_to_closed_jaxpr(
+        one_equation, [_jax.typeof(x) for x in args], primitive.name
+    )
+    c = self.collector
+    with _jax.set_current_trace(self.parent):
+      if c.has_work([closed.jaxpr]):
+        outs = capture_lib.eval_collecting(
+            closed.jaxpr, closed.consts, list(args), c
+        )
+      else:
+        outs = _jax.eval_into_current_trace(
+            closed.jaxpr, closed.consts, list(args)
+        )
+    return outs if multiple_results else outs[0]
+
+
+def _one_rule_called(fun, rule) -> None:
+  """Leaves the output structure of a custom rule where JAX looks for it.
+
+  ``custom_jvp``/``custom_vjp`` read it from exactly one of ``fun`` (called
+  when the call is staged or evaluated) and ``rule`` (``jvp``/``fwd``, called
+  instead when the parent differentiates). We staged ``fun`` to look for
+  sows; if the parent then called ``rule``, ``fun``'s record is dropped.
+  """
+  if _jax.stores_filled(rule):
+    _jax.reset_stores(fun)
+
+
+def _with_jax_arrays(leaves):
+  return [
+      jax.numpy.asarray(x) if isinstance(x, np.ndarray) else x for x in leaves
+  ]
+
+
+def trace_and_collect(
+    f: tp.Callable[..., tp.Any],
+    accepts_key: frozenset | None,
+    args: tuple[tp.Any, ...],
+    kwargs: dict[str, tp.Any],
+) -> tuple[tp.Any, capture_lib.Collected]:
+  """Calls ``f(*args, **kwargs)`` under a :class:`CaptureTrace`.
+
+  The arguments are rebuilt from their leaves under the trace, as staging
+  would, so pytree nodes that record the trace they were made in (NNX
+  Variables) may be updated by ``f``. NumPy arrays among the arguments and
+  outputs become JAX arrays; every other leaf reaches ``f`` unchanged.
+
+  Returns:
+    ``(f's output, collected)``.
+  """
+  leaves, in_tree = jax.tree.flatten((args, kwargs))
+  leaves = _with_jax_arrays(leaves)
+  collector = capture_lib.Collector(accepts_key)
+  trace = CaptureTrace(_jax.trace_ctx.trace, collector)
+  try:
+    with staging(accepts_key), _jax.set_current_trace(trace):
+      args, kwargs = jax.tree.unflatten(in_tree, leaves)
+      out = f(*args, **kwargs)
+  finally:
+    trace.invalidate()
+  out_leaves, out_tree = jax.tree.flatten(out)
+  if any(isinstance(x, np.ndarray) for x in out_leaves):
+    out = jax.tree.unflatten(out_tree, _with_jax_arrays(out_leaves))
+  return out, collector.result()

@@ -38,6 +38,7 @@ from flax.nnx.sow.paths import ActiveScope
 from flax.nnx.sow.paths import Scope
 from flax.nnx.sow.paths import is_graph_leaf
 from flax.nnx.sow.paths import is_graph_node as _is_graph_node
+from flax.nnx.sow.paths import is_variable_type
 from flax.nnx.sow.paths import referenced_graph_nodes
 from flax.nnx.sow.paths import trace_key
 
@@ -132,44 +133,31 @@ def functional_graph_call(
           return f(*a, **k)
 
       return stage(keyed_f, args, kwargs)
+    if all(_is_plain_variable(n) for n in nodes):
+      return _variables_call(stage, f, leaves, treedef, positions, nodes)
     return _split_call(stage, f, scope, leaves, treedef, positions, nodes)
 
 
-def _split_call(stage, f, scope, leaves, treedef, positions, nodes):
-  graphdef, traced, kept = nnx.split(nodes, _is_traced, ...)
-  before = jax.tree.leaves(nnx.state(nodes, _is_plain))
-  rest = list(leaves)
-  for k, i in enumerate(positions):
-    rest[i] = _Slot(k)
+def _is_plain_variable(x) -> bool:
+  return is_variable_type(type(x)) and _is_plain(None, x)
 
-  def pure_f(rest, state):
-    inner = nnx.merge(graphdef, state, kept)
-    full = list(rest)
-    for i, node in zip(positions, inner):
-      full[i] = node
-    scope.pair(nodes, inner)  # the fresh nodes get the caller's paths
-    inner_args, inner_kwargs = jax.tree.unflatten(treedef, full)
-    with trace_key():
-      out = f(*inner_args, **inner_kwargs)
-    index = {id(node): k for k, node in enumerate(inner)}
 
-    def cross(x):
-      if id(x) in index:
-        return _Slot(index[id(x)])
-      if is_graph_leaf(x):
-        return _NewNode(*nnx.split(x))
-      return x
+def _cross_out(out, inner):
+  """``out`` with the graph nodes of ``inner`` as ``_Slot``s and the graph
+  nodes ``f`` made split, so that it can leave the staging."""
+  index = {id(node): k for k, node in enumerate(inner)}
 
-    out = jax.tree.map(cross, out, is_leaf=is_graph_leaf)
-    return out, nnx.state(inner, _is_plain)
+  def cross(x):
+    if id(x) in index:
+      return _Slot(index[id(x)])
+    if is_graph_leaf(x):
+      return _NewNode(*nnx.split(x))
+    return x
 
-  (out, updates), extra = stage(pure_f, (rest, traced), {})
-  after = jax.tree.leaves(updates)
-  if len(after) != len(before) or any(
-      a is not b for a, b in zip(after, before)
-  ):
-    nnx.update(nodes, updates)
+  return jax.tree.map(cross, out, is_leaf=is_graph_leaf)
 
+
+def _uncross_out(out, nodes):
   def uncross(x):
     if isinstance(x, _Slot):
       return nodes[x.index]
@@ -177,7 +165,68 @@ def _split_call(stage, f, scope, leaves, treedef, positions, nodes):
       return nnx.merge(x.graphdef, x.state)
     return x
 
-  out = jax.tree.map(
+  return jax.tree.map(
       uncross, out, is_leaf=lambda x: isinstance(x, (_Slot, _NewNode))
   )
-  return out, extra
+
+
+def _variables_call(stage, f, leaves, treedef, positions, variables):
+  """:func:`_split_call` when the graph leaves are plain Variables only
+  (an ``nnx.State`` among the arguments).
+
+  Variables are pytrees whose one leaf is their value: ``stage`` rebuilds
+  them under its trace, so ``f`` gets fresh Variables it may update, and
+  the new values are written back to the caller's Variables. Flax's graph
+  split and merge are not needed.
+  """
+  unique = list({id(v): v for v in variables}.values())
+  slot = {id(v): k for k, v in enumerate(unique)}
+  rest = list(leaves)
+  for i in positions:
+    rest[i] = _Slot(slot[id(leaves[i])])
+  before = [v.get_raw_value() for v in unique]
+
+  def pure_f(rest, fresh):
+    full = [fresh[x.index] if isinstance(x, _Slot) else x for x in rest]
+    inner_args, inner_kwargs = jax.tree.unflatten(treedef, full)
+    with trace_key():
+      out = f(*inner_args, **inner_kwargs)
+    return _cross_out(out, fresh), [v.get_raw_value() for v in fresh]
+
+  (out, after), extra = stage(pure_f, (rest, unique), {})
+  for v, old, new in zip(unique, before, after):
+    if new is not old:
+      v.set_raw_value(new)
+  return _uncross_out(out, unique), extra
+
+
+def _split_call(stage, f, scope, leaves, treedef, positions, nodes):
+  graphdef, plain, refs, kept = nnx.split(nodes, _is_plain, _is_traced, ...)
+  before = jax.tree.leaves(plain)
+  rest = list(leaves)
+  for k, i in enumerate(positions):
+    rest[i] = _Slot(k)
+
+  def pure_f(rest, plain, refs):
+    inner = nnx.merge(graphdef, plain, refs, kept)
+    full = list(rest)
+    for i, node in zip(positions, inner):
+      full[i] = node
+    # The fresh nodes get the caller's paths (the merge hook usually has
+    # given them already).
+    if not all(
+        scope.resolve(n) is not None for n in inner if _is_graph_node(n)
+    ):
+      scope.pair(nodes, inner)
+    inner_args, inner_kwargs = jax.tree.unflatten(treedef, full)
+    with trace_key():
+      out = f(*inner_args, **inner_kwargs)
+    return _cross_out(out, inner), nnx.state(inner, _is_plain)
+
+  (out, updates), extra = stage(pure_f, (rest, plain, refs), {})
+  after = jax.tree.leaves(updates)
+  if len(after) != len(before) or any(
+      a is not b for a, b in zip(after, before)
+  ):
+    nnx.update(nodes, updates)
+  return _uncross_out(out, nodes), extra

@@ -56,6 +56,7 @@ import types
 import typing as tp
 
 import jax
+import numpy as np
 from flax import nnx
 
 # Flax internals (adapt here for a new Flax release).
@@ -93,10 +94,64 @@ class _Local(threading.local):
 LOCAL = _Local()
 
 
+_LEAF_TYPES = (
+    jax.Array,
+    np.ndarray,
+    np.generic,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    type(None),
+)
+_variable_types: dict[type, bool] = {}
+
+
+def is_variable_type(t: type) -> bool:
+  hit = _variable_types.get(t)
+  if hit is None:
+    hit = _variable_types[t] = issubclass(t, nnx.Variable)
+  return hit
+
+
 def _graph_nodes(node) -> tp.Iterator[tuple[Path, tp.Any]]:
-  for path, obj in nnx.iter_graph(node, graph=True):
-    if is_graph_node(obj):
-      yield tuple(path), obj
+  """``(path, obj)`` for every graph node under ``node``, itself included.
+
+  What ``nnx.iter_graph(node, graph=True)`` yields, filtered by
+  :func:`is_graph_node`, in the same order and with the same first-visit
+  paths, without visiting the Variables and arrays.
+  """
+  registry = _graphlib.GRAPH_REGISTRY
+  visited: set[int] = set()
+  stack: list[tuple[Path, tp.Any, bool]] = [((), node, False)]
+  while stack:
+    path, obj, done = stack.pop()
+    if done:
+      yield path, obj
+      continue
+    t = type(obj)
+    impl = registry.get(t)
+    if impl is not None:
+      if id(obj) in visited:
+        continue
+      visited.add(id(obj))
+      stack.append((path, obj, True))
+    elif is_variable_type(t) or isinstance(obj, _LEAF_TYPES):
+      continue
+    elif _graphlib.is_pytree_node(obj):
+      if id(obj) in visited:
+        continue
+      visited.add(id(obj))
+      impl = _graphlib.get_node_impl(obj)
+      if impl is None:
+        continue
+    else:
+      if is_graph_node(obj):  # an array ref held directly
+        yield path, obj
+      continue
+    for key, child in reversed(impl.node_dict(obj).items()):
+      stack.append(((*path, key), child, False))
 
 
 # What a scope names a module from (Scope.resolve): its roots and the copies
@@ -135,6 +190,9 @@ class Scope:
     # id -> (object, path). The objects are held, so ids stay unique.
     self.nodes: dict[int, tuple[tp.Any, Path]] = {}
     self.merged: dict[int, tuple[tp.Any, Path]] = {}
+    # Objects merged from unknown graphdefs, walked into ``merged`` when a
+    # sow first asks (most captures never do).
+    self._merged_pending: list[tp.Any] = []
     self.roots: list[tuple[tp.Any, Path]] = []
     self.structure: list[tuple[Path, type]] = []
     self.splits: dict[int, tuple[tp.Any, tp.Any]] = {}  # graphdef, source
@@ -204,6 +262,10 @@ class Scope:
     if tier == EXACT:
       return self._exact(obj)
     if tier == MERGED:
+      while self._merged_pending:
+        node = self._merged_pending.pop(0)
+        for rel, child in _graph_nodes(node):
+          self.merged.setdefault(id(child), (child, rel))
       hit = self.merged.get(id(obj))
       return hit[1] if hit is not None and hit[0] is obj else None
     return self._structural(obj)
@@ -263,8 +325,7 @@ class Scope:
       source = self._equal_split(graphdef)
     if source is not None and self.pair(source, node):
       return
-    for rel, child in _graph_nodes(node):
-      self.merged.setdefault(id(child), (child, rel))
+    self._merged_pending.append(node)
 
   def _equal_split(self, graphdef):
     sources = {}

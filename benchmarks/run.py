@@ -224,13 +224,14 @@ def count_eqns(jaxpr) -> int:
   return n
 
 
-def _rewrite_alone(edit: bool) -> tp.Callable[[tp.Any], tp.Any] | None:
+def _rewrite_alone(top_level: bool) -> tp.Callable[[tp.Any], tp.Any] | None:
   """The core's ``rewrite_program(closed_jaxpr) -> closed_jaxpr``, if any.
 
-  With ``edit=True`` it rewrites as ``capture`` does at top level (a jaxpr
-  edit where that suffices); with ``edit=False`` it forces the general
-  interpreter. A core whose ``rewrite_program`` takes no ``edit`` keyword
-  always interprets.
+  With ``top_level=True`` it re-stages the program as ``capture`` does at top
+  level (every equation bound through the capture's trace); with
+  ``top_level=False`` it forces the interpreter that rules use for
+  sub-jaxprs. A core whose ``rewrite_program`` takes no ``top_level``
+  keyword always interprets.
   """
   try:
     from flax.nnx.sow import capture as _  # pylint: disable=g-import-not-at-top
@@ -240,17 +241,17 @@ def _rewrite_alone(edit: bool) -> tp.Callable[[tp.Any], tp.Any] | None:
   hook = getattr(core, 'rewrite_program', None)
   if not callable(hook):
     return None
-  if 'edit' in inspect.signature(hook).parameters:
-    return functools.partial(hook, edit=edit)
+  if 'top_level' in inspect.signature(hook).parameters:
+    return functools.partial(hook, top_level=top_level)
   return hook
 
 
-def _rewrite_method(edit: bool) -> str:
-  hook = _rewrite_alone(edit)
+def _rewrite_method(top_level: bool) -> str:
+  hook = _rewrite_alone(top_level)
   if hook is None:
     return 'make_jaxpr(capture(eval_jaxpr)) of the staged jaxpr'
   if isinstance(hook, functools.partial):
-    return f'rewrite_program(edit={edit}) of the staged jaxpr'
+    return f'rewrite_program(top_level={top_level}) of the staged jaxpr'
   return 'rewrite_program (interpreter) of the staged jaxpr'
 
 
@@ -295,8 +296,8 @@ def rewrite_scaling(cfg: Config) -> list[Result]:
     jaxpr = jax.make_jaxpr(f)(state, wl.abstract_input(sizes))
     jaxprs[layers] = (jaxpr, count_eqns(jaxpr))
 
-  def rewriter(edit):
-    rewrite = _rewrite_alone(edit)
+  def rewriter(top_level):
+    rewrite = _rewrite_alone(top_level)
     if rewrite is not None:
       return rewrite
 
@@ -305,7 +306,7 @@ def rewrite_scaling(cfg: Config) -> list[Result]:
       return jax.make_jaxpr(capture(fn))(*closed.in_avals)
     return traced
 
-  def row(name, samples, target, edit, **extra):
+  def row(name, samples, target, top_level, **extra):
     a, b = (statistics.median(samples[n]) for n in (large, small))
     return Result(
         name=name, a=f'rewrite s/eqn at {large} layers',
@@ -313,7 +314,7 @@ def rewrite_scaling(cfg: Config) -> list[Result]:
         unit='s/eqn', ratio=a / b, ratio_kind='ratio of medians',
         target=target, sizes=dict(cfg.sizes.asdict(), layers=[small, large]),
         repeats=len(samples[small]),
-        extra=dict(extra, method=_rewrite_method(edit), eqns={
+        extra=dict(extra, method=_rewrite_method(top_level), eqns={
             small: jaxprs[small][1], large: jaxprs[large][1]}))
 
   repeats, extra_repeats = cfg.trace_repeats, max(1, cfg.trace_repeats // 2)

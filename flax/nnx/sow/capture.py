@@ -1166,45 +1166,36 @@ def stage_and_collect(
   return toplevel.trace_and_collect(f, accepts_key, args, kwargs)
 
 
-def collect_program(
-    closed: _jax.ClosedJaxpr, args: tp.Sequence[tp.Any], collector: Collector
-) -> list[tp.Any]:
-  """Evaluates a staged program on the current trace, collecting its sows.
-
-  The jaxpr edit (:func:`edit_plain_sows`) where it suffices, the
-  interpreter (:func:`eval_collecting`) otherwise.
-  """
-  edited = edit_plain_sows(closed.jaxpr, collector.accepts_key)
-  if edited is None:
-    return eval_collecting(closed.jaxpr, closed.consts, args, collector)
-  outs = _jax.eval_into_current_trace(edited.jaxpr, closed.consts, args)
-  n_out = len(outs) - edited.layout.num_extra
-  collector.absorb(edited.layout, outs[n_out:])
-  return outs[:n_out]
-
-
 def rewrite_program(
     closed: _jax.ClosedJaxpr,
     tags: tp.Iterable[tp.Hashable] | None = None,
     *,
-    edit: bool = True,
+    top_level: bool = True,
 ) -> _jax.ClosedJaxpr:
-  """The rewrite alone: ``closed`` returning its outputs, then every leaf of
-  the collected values (in the order of ``capture``'s ``collected``).
+  """``closed`` re-staged by a capture: its outputs, then every leaf of the
+  collected values (in the order of ``capture``'s ``collected``).
 
-  Used by the benchmarks to time the rewrite separately from tracing ``f``:
-  ``edit=True`` times what ``capture`` does (:func:`collect_program`),
-  ``edit=False`` the interpreter alone.
+  Used by the benchmarks to time a capture's own pass over a program:
+  ``top_level=True`` binds every equation through the capture's top-level
+  trace, as ``capture(f)`` does while ``f`` runs (``toplevel.py``);
+  ``top_level=False`` evaluates the jaxpr with the interpreter that rules
+  use for sub-jaxprs (:func:`eval_collecting`).
   """
   accepts_key = None if tags is None else frozenset(tags)
 
+  def replay(*args):
+    return _jax.eval_jaxpr(closed.jaxpr, closed.consts, *args)
+
   def fn(*args):
-    collector = Collector(accepts_key)
-    if edit:
-      outs = collect_program(closed, args, collector)
+    if top_level:
+      outs, collected = toplevel.trace_and_collect(
+          replay, accepts_key, args, {}
+      )
     else:
+      collector = Collector(accepts_key)
       outs = eval_collecting(closed.jaxpr, closed.consts, args, collector)
-    return [*outs, *jax.tree_util.tree_leaves(collector.result())]
+      collected = collector.result()
+    return [*outs, *jax.tree_util.tree_leaves(collected)]
 
   return _jax.trace_to_closed_jaxpr(fn, closed.in_avals, 'rewrite_program')
 

@@ -1091,14 +1091,15 @@ def _run_captured(f_ref, accepts_key, in_tree, mask, statics, *arrays):
 
 
 def _capture_call(f, accepts_key, args, kwargs):
-  # Every call runs with a path scope for ``Module.sow`` (graph.py); NNX graph
-  # nodes among the arguments are split, traced and updated as ``nnx.jit``
-  # does, so the updates ``f`` makes reach the caller's objects.
+  # Every call runs with a path scope for ``Module.sow`` (graph.py). ``f``
+  # runs on the caller's trace and gets the caller's NNX objects, which it
+  # updates in place (toplevel.py).
   return graph_lib.functional_graph_call(
       lambda pure_f, a, kw: stage_and_collect(pure_f, accepts_key, a, kw),
       f,
       args,
       kwargs,
+      in_place=True,
       tags=accepts_key,
   )
 

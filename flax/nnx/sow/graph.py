@@ -14,14 +14,16 @@
 
 """NNX graph nodes in a capture call, and the path scope around it.
 
-``capture(f)(model, x)`` and the ``nnx.capture`` shim stage a call whose
-arguments may hold Flax NNX graph nodes (Modules, Variables, ``Rngs``,
-optimizers). :func:`functional_graph_call` does around the staging what
-``nnx.jit`` does around ``jax.jit``: split the nodes into their state
-outside, merge them into fresh objects inside, and write the updates into the
-caller's objects afterwards, for plain, ref and Hijax Variables. Every
-capture call, with graph nodes among its arguments or not, runs with a path
-scope (``paths.py``) active, so a ``Module.sow`` inside it is named by the
+``capture(f)(model, x)``, the ``nnx.capture`` shim and ``intervene`` call
+``f`` with arguments that may hold Flax NNX graph nodes (Modules, Variables,
+``Rngs``, optimizers). A capture runs ``f`` on the caller's trace
+(``toplevel.py``), so ``f`` gets the caller's objects and updates them in
+place, as it would without the capture. ``intervene`` stages ``f``, and
+:func:`functional_graph_call` does around that staging what ``nnx.jit`` does
+around ``jax.jit``: split the nodes into their state outside, merge them into
+fresh objects inside, and write the updates into the caller's objects
+afterwards, for plain, ref and Hijax Variables. Every call, with graph nodes
+among its arguments or not, runs with a path scope (``paths.py``) active, so a ``Module.sow`` inside it is named by the
 module's path: from the argument it belongs to, from a module ``f`` refers
 to, or from an object ``f`` builds with ``nnx.merge``.
 """
@@ -79,8 +81,12 @@ def functional_graph_call(
     tags: tp.Iterable[tp.Hashable] | None = None,
     scope: Scope | None = None,
     refers_to: tp.Any = None,
+    in_place: bool = False,
 ) -> tuple[tp.Any, tp.Any]:
   """Runs ``stage`` on ``f`` with a path scope active and graph nodes split.
+
+  With ``in_place=True`` (``stage`` runs ``f`` on the caller's trace, as a
+  capture does) the graph nodes are not split: ``f`` gets them as they are.
 
   The scope's roots are the graph nodes among ``args``/``kwargs`` and those
   ``refers_to`` (default ``f``) refers to (``paths.referenced_graph_nodes``),
@@ -108,6 +114,8 @@ def functional_graph_call(
     scope: the path scope to use (the ``nnx.capture`` shim passes its own).
     refers_to: where to look for the graph nodes ``f`` refers to, when ``f``
       wraps the user's function.
+    in_place: whether ``stage`` runs ``f`` on the caller's trace, where it
+      may update the caller's objects itself.
 
   Returns:
     ``(out, extra)``: ``f``'s output, where a graph node that ``f`` received
@@ -125,7 +133,7 @@ def functional_graph_call(
   for node in referenced_graph_nodes(f if refers_to is None else refers_to):
     scope.add_root(node)
   with ActiveScope(scope):
-    if not nodes:
+    if in_place or not nodes:
 
       @functools.wraps(f)
       def keyed_f(*a, **k):

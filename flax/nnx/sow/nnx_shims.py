@@ -615,6 +615,7 @@ def capture(
           kwargs,
           scope=scope,
           refers_to=fn,
+          in_place=True,
       )
     finally:
       if classes:

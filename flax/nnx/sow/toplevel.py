@@ -46,6 +46,7 @@ import numpy as np
 
 from flax.nnx.sow import _jax
 from flax.nnx.sow import capture as capture_lib
+from flax.nnx.sow import paths
 from flax.nnx.sow.primitive import sow_p
 from flax.nnx.sow.primitive import staging
 
@@ -90,6 +91,13 @@ class CaptureTrace(_jax.Trace):
     self.collector = collector
     # Lowering of Hijax types happens where the parent wants it.
     self.requires_low = parent.requires_low
+    # What JAX shows as the current trace's identity (``jax.core.
+    # get_opaque_trace_state``) is the parent's: objects that record the
+    # trace they were made in, such as NNX Variables, may be updated by
+    # ``f`` exactly when they could be without the capture. (JAX's own
+    # "top level" test compares the trace object, so its eager fast paths
+    # still see a transform here.)
+    self._weakref = parent._weakref  # pylint: disable=protected-access
 
   def process_primitive(self, primitive, args, params, /):
     if primitive is sow_p:
@@ -203,10 +211,15 @@ def _one_rule_called(fun, rule) -> None:
     _jax.reset_stores(fun)
 
 
-def _with_jax_arrays(leaves):
-  return [
+def _with_jax_arrays(tree):
+  """``tree`` with its NumPy arrays as JAX arrays; graph nodes untouched."""
+  leaves, treedef = jax.tree.flatten(tree, is_leaf=paths.is_graph_leaf)
+  if not any(isinstance(x, np.ndarray) for x in leaves):
+    return tree
+  leaves = [
       jax.numpy.asarray(x) if isinstance(x, np.ndarray) else x for x in leaves
   ]
+  return jax.tree.unflatten(treedef, leaves)
 
 
 def trace_and_collect(
@@ -217,25 +230,19 @@ def trace_and_collect(
 ) -> tuple[tp.Any, capture_lib.Collected]:
   """Calls ``f(*args, **kwargs)`` under a :class:`CaptureTrace`.
 
-  The arguments are rebuilt from their leaves under the trace, as staging
-  would, so pytree nodes that record the trace they were made in (NNX
-  Variables) may be updated by ``f``. NumPy arrays among the arguments and
-  outputs become JAX arrays; every other leaf reaches ``f`` unchanged.
+  The arguments reach ``f`` as they are (NNX graph nodes are the caller's
+  objects, which ``f`` may update), except that NumPy arrays among them and
+  among the outputs become JAX arrays.
 
   Returns:
     ``(f's output, collected)``.
   """
-  leaves, in_tree = jax.tree.flatten((args, kwargs))
-  leaves = _with_jax_arrays(leaves)
+  args, kwargs = _with_jax_arrays((args, kwargs))
   collector = capture_lib.Collector(accepts_key)
   trace = CaptureTrace(_jax.trace_ctx.trace, collector)
   try:
     with staging(accepts_key), _jax.set_current_trace(trace):
-      args, kwargs = jax.tree.unflatten(in_tree, leaves)
       out = f(*args, **kwargs)
   finally:
     trace.invalidate()
-  out_leaves, out_tree = jax.tree.flatten(out)
-  if any(isinstance(x, np.ndarray) for x in out_leaves):
-    out = jax.tree.unflatten(out_tree, _with_jax_arrays(out_leaves))
-  return out, collector.result()
+  return _with_jax_arrays(out), collector.result()

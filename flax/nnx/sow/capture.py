@@ -304,11 +304,11 @@ class Collector:
     ]
 
   def has_work(self, jaxprs) -> bool:
-    return any(
-        self.accepts(s.tag, s.reduction, s.kind)
-        for j in jaxprs
-        for s in sow_sites(as_jaxpr(j))
-    )
+    for j in jaxprs:
+      for s in sow_sites(as_jaxpr(j)):
+        if self.accepts(s.tag, s.reduction, s.kind):
+          return True
+    return False
 
   # -- recording ----------------------------------------------------------
 

@@ -67,14 +67,15 @@ class _Where:
   __str__ = __repr__ = lambda self: format(self)
 
 
-def _has_jaxprs(params: dict[str, tp.Any]) -> bool:
-  # What ``jax.core.jaxprs_in_params`` finds, without a generator.
+def _jaxprs(params: dict[str, tp.Any]) -> list[_jax.Jaxpr]:
+  """What ``jax.core.jaxprs_in_params`` finds, as a list (often empty)."""
+  found = []
   for v in params.values():
-    if isinstance(v, _JAXPRS) or (
-        isinstance(v, tuple) and any(isinstance(x, _JAXPRS) for x in v)
-    ):
-      return True
-  return False
+    if isinstance(v, _JAXPRS):
+      found.append(v)
+    elif isinstance(v, tuple):
+      found.extend(x for x in v if isinstance(x, _JAXPRS))
+  return found
 
 
 class CaptureTrace(_jax.Trace):
@@ -108,9 +109,7 @@ class CaptureTrace(_jax.Trace):
         where_ = _Where(_jax.current_source_info())
         with _jax.set_current_trace(self.parent):
           return c.sow(params, list(args), where_)
-    elif _has_jaxprs(params) and self.collector.has_work(
-        _jax.jaxprs_in_params(params)
-    ):
+    elif (jaxprs := _jaxprs(params)) and self.collector.has_work(jaxprs):
       return self._collect_alone(
           lambda *xs: primitive.bind(*xs, **params),
           args,

@@ -79,6 +79,33 @@ class EagerTest(absltest.TestCase):
     np.testing.assert_allclose(jax.jit(lambda x: x * 3)(jnp.ones(2)), [3, 3])
     np.testing.assert_allclose(jax.grad(lambda x: x**2)(3.0), 6.0)
 
+  def test_ahead_of_time_compiled_function_is_refused(self):
+    x = jnp.ones(2)
+    compiled = jax.jit(lambda x: sow(x * 3, name='inner')).lower(x).compile()
+    with self.assertRaisesRegex(TypeError, 'ahead-of-time compiled'):
+      capture(lambda x: compiled(x))(x)
+    np.testing.assert_allclose(compiled(x), [3.0, 3.0])  # fine outside
+    _, collected = capture(jax.jit(lambda x: sow(x * 3, name='inner')))(x)
+    np.testing.assert_allclose(collected['inner'][0], [3.0, 3.0])
+
+  def test_error_in_a_custom_jvp_rule_names_the_users_line(self):
+    @jax.custom_jvp
+    def g(x):
+      return 2 * sow(jnp.tanh(x), name='y')
+
+    @g.defjvp
+    def _g_jvp(primals, tangents):
+      (x,), (t,) = primals, tangents
+      sow(t, name='tangent')
+      return g(x), 5.0 * t
+
+    with self.assertRaisesRegex(
+        NotImplementedError, r"sow 'tangent' \(at .*test_toplevel.py:\d+"
+    ):
+      jax.grad(lambda x: capture(lambda x: jnp.sum(g(x)))(x)[0])(
+          jnp.array([0.1, -0.4])
+      )
+
 
 class UnderJitTest(absltest.TestCase):
 
@@ -217,6 +244,23 @@ class StateArgumentTest(absltest.TestCase):
     np.testing.assert_allclose(
         reference['bn']['mean'].get_value(), 0.5 * pre.mean(0), rtol=1e-5
     )
+
+  def test_nnx_grad_inside_a_capture_inside_nnx_jit(self):
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    x = jnp.array([[1.0, 2.0], [3.0, 4.0]])
+
+    def loss(m, x):
+      return jnp.sum(sow(m(x), name='y'))
+
+    grads, collected = nnx.jit(lambda m, x: capture(nnx.grad(loss))(m, x))(
+        model, x
+    )
+    # d/dkernel sum(x @ k + b) = column sums of x; d/dbias = batch size.
+    np.testing.assert_allclose(grads['kernel'].get_value(), [[4.0], [6.0]])
+    np.testing.assert_allclose(grads['bias'].get_value(), [2.0])
+    kernel = np.asarray(model.kernel.get_value())
+    bias = np.asarray(model.bias.get_value())
+    np.testing.assert_allclose(collected['y'][0], x @ kernel + bias, rtol=1e-6)
 
   def test_shared_variable_stays_shared(self):
     v = nnx.Param(jnp.ones(2))

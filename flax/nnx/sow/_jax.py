@@ -37,6 +37,7 @@ from jax._src import mesh as mesh_lib
 from jax._src import pjit
 from jax._src import shard_map as shard_map_lib
 from jax._src import source_info_util
+from jax._src import stages
 from jax._src import util as jax_util
 from jax._src.interpreters import ad
 from jax._src.interpreters import batching
@@ -160,6 +161,12 @@ def trace_to_closed_jaxpr(
   wrapped = wrap_init(fn, name, len(in_avals))
   jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(wrapped, list(in_avals))
   return ClosedJaxpr(jaxpr, consts)
+
+
+def with_source_info(closed: ClosedJaxpr, source_info) -> ClosedJaxpr:
+  """``closed`` with ``source_info`` on each of its top-level equations."""
+  eqns = [e.replace(source_info=source_info) for e in closed.jaxpr.eqns]
+  return ClosedJaxpr(closed.jaxpr.replace(eqns=eqns), closed.consts)
 
 
 def close_over_nothing(closed: ClosedJaxpr) -> tuple[Jaxpr, list[tp.Any]]:
@@ -286,6 +293,19 @@ def edit_jaxpr(
   return jaxpr.replace(
       eqns=eqns, outvars=outvars, effects=effects_, debug_info=debug
   )
+
+
+def check_compiled_calls(check: tp.Callable[[], None]) -> None:
+  """Runs ``check()`` before every call of an ahead-of-time compiled function
+  (``jax.jit(g).lower(...).compile()``), which JAX runs without binding a
+  primitive."""
+  original = stages.Compiled.__call__
+
+  def __call__(self, *args, **kwargs):
+    check()
+    return original(self, *args, **kwargs)
+
+  stages.Compiled.__call__ = __call__
 
 
 def wrap_rule(registry: dict, primitive: Primitive, wrapper: tp.Callable):

@@ -182,9 +182,14 @@ class CaptureTrace(_jax.Trace):
       out = bind(*xs)
       return list(out) if multiple_results else [out]
 
+    # Staged from here, the equation would not see the user's frames (JAX
+    # records the stack only below the function it traces): give it those
+    # of the call ``f`` made, for error messages and the rules.
+    source_info = _jax.current_source_info()
     closed = _jax.trace_to_closed_jaxpr(
         one_equation, [_jax.typeof(x) for x in args], primitive.name
     )
+    closed = _jax.with_source_info(closed, source_info)
     c = self.collector
     with _jax.set_current_trace(self.parent):
       if c.has_work([closed.jaxpr]):
@@ -196,6 +201,20 @@ class CaptureTrace(_jax.Trace):
             closed.jaxpr, closed.consts, list(args)
         )
     return outs if multiple_results else outs[0]
+
+
+def _refuse_compiled_calls() -> None:
+  if isinstance(_jax.trace_ctx.trace, CaptureTrace):
+    raise TypeError(
+        'capture: f calls an ahead-of-time compiled function'
+        ' (jax.jit(g).lower(...).compile()). It runs as a compiled'
+        ' executable that no transform can look into, so a capture cannot'
+        ' collect the sows inside it. Call the jitted function itself'
+        ' (jax.jit(g)) inside the capture instead.'
+    )
+
+
+_jax.check_compiled_calls(_refuse_compiled_calls)
 
 
 def _one_rule_called(fun, rule) -> None:

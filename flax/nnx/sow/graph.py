@@ -34,6 +34,8 @@ import functools
 import typing as tp
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from flax.nnx.sow.paths import ActiveScope
@@ -125,13 +127,23 @@ def functional_graph_call(
   if scope is None:
     scope = Scope('functional', None if tags is None else frozenset(tags))
   leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_graph_leaf)
-  positions = [i for i, x in enumerate(leaves) if is_graph_leaf(x)]
+  positions = [
+      i
+      for i, x in enumerate(leaves)
+      if not isinstance(x, jax.Array) and is_graph_leaf(x)
+  ]
   nodes = [leaves[i] for i in positions]
   for node in nodes:
     if _is_graph_node(node):
       scope.add_root(node)
   for node in referenced_graph_nodes(f if refers_to is None else refers_to):
     scope.add_root(node)
+  if any(isinstance(x, np.ndarray) for x in leaves):
+    # NumPy arrays reach ``f`` as JAX arrays, as they would traced.
+    leaves = [
+        jnp.asarray(x) if isinstance(x, np.ndarray) else x for x in leaves
+    ]
+    args, kwargs = jax.tree.unflatten(treedef, leaves)
   with ActiveScope(scope):
     if in_place or not nodes:
 

@@ -74,7 +74,10 @@ TRACE_KEY = jax.make_user_context(None)
 def is_graph_leaf(x) -> bool:
   if isinstance(x, jax.Array):
     return False  # the common case, answered without Flax's registry
-  return _graphlib.is_graph_node(x) or isinstance(x, nnx.Variable)
+  t = type(x)
+  if t in _graphlib.GRAPH_REGISTRY or is_variable_type(t):
+    return True
+  return _graphlib.is_graph_node(x)
 
 
 def is_graph_node(x) -> bool:

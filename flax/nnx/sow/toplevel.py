@@ -50,8 +50,6 @@ from flax.nnx.sow import paths
 from flax.nnx.sow.primitive import sow_p
 from flax.nnx.sow.primitive import staging
 
-_JAXPRS = (_jax.Jaxpr, _jax.ClosedJaxpr)
-
 
 class _Where:
   """`` (at file:line)`` of the user's call of a sow, formatted on demand."""
@@ -67,14 +65,26 @@ class _Where:
   __str__ = __repr__ = lambda self: format(self)
 
 
+_JAXPR_TYPES = frozenset({_jax.Jaxpr, _jax.ClosedJaxpr})
+
+
 def _jaxprs(params: dict[str, tp.Any]) -> list[_jax.Jaxpr]:
-  """What ``jax.core.jaxprs_in_params`` finds, as a list (often empty)."""
+  """What ``jax.core.jaxprs_in_params`` finds, as a list (often empty).
+
+  Runs for every primitive ``f`` binds, so it looks into a tuple only when
+  its first entry is a jaxpr (``cond``'s branches) or ``None`` (optional
+  entries, as in ``custom_linear_solve``), not into tuples of shardings,
+  flags or axes.
+  """
   found = []
   for v in params.values():
-    if isinstance(v, _JAXPRS):
+    t = type(v)
+    if t in _JAXPR_TYPES:
       found.append(v)
-    elif isinstance(v, tuple):
-      found.extend(x for x in v if isinstance(x, _JAXPRS))
+    elif (t is tuple or (t is not str and isinstance(v, tuple))) and v:
+      first = v[0]
+      if first is None or type(first) in _JAXPR_TYPES:
+        found.extend(x for x in v if type(x) in _JAXPR_TYPES)
   return found
 
 
@@ -109,7 +119,11 @@ class CaptureTrace(_jax.Trace):
         where_ = _Where(_jax.current_source_info())
         with _jax.set_current_trace(self.parent):
           return c.sow(params, list(args), where_)
-    elif (jaxprs := _jaxprs(params)) and self.collector.has_work(jaxprs):
+    elif (
+        jaxprs := [params['jaxpr']]
+        if primitive is _jax.jit_p  # most calls: jax.numpy's jitted functions
+        else _jaxprs(params)
+    ) and self.collector.has_work(jaxprs):
       return self._collect_alone(
           lambda *xs: primitive.bind(*xs, **params),
           args,
@@ -249,13 +263,12 @@ def trace_and_collect(
   """Calls ``f(*args, **kwargs)`` under a :class:`CaptureTrace`.
 
   The arguments reach ``f`` as they are (NNX graph nodes are the caller's
-  objects, which ``f`` may update), except that NumPy arrays among them and
-  among the outputs become JAX arrays.
+  objects, which ``f`` may update); NumPy arrays among the outputs become
+  JAX arrays.
 
   Returns:
     ``(f's output, collected)``.
   """
-  args, kwargs = _with_jax_arrays((args, kwargs))
   collector = capture_lib.Collector(accepts_key)
   trace = CaptureTrace(_jax.trace_ctx.trace, collector)
   try:

@@ -12,12 +12,13 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""The capture transform: stage ``f``, then evaluate its jaxpr collecting sows.
+"""The capture transform, its collector and the loop over staged jaxprs.
 
-This file owns the generic loop. ``capture(f)`` traces ``f`` to a jaxpr and
-evaluates it on the caller's trace with :func:`eval_collecting`, an
-interpreter that binds every equation as ``jax.core.eval_jaxpr`` would, except
-that
+``capture(f)`` runs ``f`` under ``toplevel.CaptureTrace``, which records the
+sows ``f`` binds and hands each higher-order primitive whose sub-jaxprs hold
+accepted sows, staged alone, to this file's generic loop:
+:func:`eval_collecting`, an interpreter that binds every equation as
+``jax.core.eval_jaxpr`` would, except that
 
 * an accepted ``sow`` equation is recorded in a :class:`Collector` instead of
   being bound, and
@@ -912,13 +913,15 @@ def capture(
 ) -> tp.Callable[..., tuple[tp.Any, dict[Name, tp.Any]]]:
   """Transforms ``f`` to also return every value it sows.
 
-  ``capture(f)(*args, **kwargs)`` stages ``f`` to a jaxpr (array leaves of the
-  arguments are traced; every other leaf reaches ``f`` unchanged), rewrites it
-  so the sown values become outputs, and evaluates it on the caller's trace
-  (eagerly, or inside an enclosing ``jit``/``grad``/``vmap``). Nested ``jit``
+  ``capture(f)(*args, **kwargs)`` runs ``f`` on the caller's trace (eagerly,
+  op by op, or inside an enclosing ``jit``/``grad``/``vmap``) with the
+  arguments as they are, NNX modules included, and collects every sow ``f``
+  binds. A staged construct that holds sows (``jit``, ``scan``, ``cond``,
+  ...) is rewritten so the sown values become extra outputs: nested ``jit``
   calls stay compiled ``jit`` equations and custom derivative rules stay in
   force. The design follows JAX's ``checkify`` (a jaxpr rewrite with one rule
-  per higher-order primitive) with oryx ``harvest``'s semantics.
+  per higher-order primitive) with oryx ``harvest``'s semantics (a trace
+  that reaps sows, here at the top level only).
 
   >>> import jax, jax.numpy as jnp
   >>> from flax.nnx.sow import capture, sow
@@ -954,6 +957,9 @@ def capture(
     NotImplementedError: a sow inside a construct with no capture rule (e.g.
       ``custom_linear_solve``), a plain sow in a ``shard_map`` that
       ``jax.vmap`` maps over, a reduced sow in a nested ``shard_map``.
+    TypeError: ``f`` is not callable, ``tags`` is not an iterable of
+      hashables, or ``f`` calls an ahead-of-time compiled function
+      (``jax.jit(g).lower(...).compile()``), which no capture can look into.
   """
   if not callable(f):
     raise TypeError(

@@ -25,6 +25,7 @@ Importing this package also installs the NNX shims (``nnx_shims.install()``):
 """
 
 from flax.nnx.sow import batching as _batching  # hoists sows under vmap
+from flax.nnx.sow import custom_primal as _custom_primal  # custom rules, AD
 from flax.nnx.sow import invariance as _invariance  # loop-invariant sows
 from flax.nnx.sow import loops as _loops  # registers the loop rules
 from flax.nnx.sow import nnx_shims
@@ -59,4 +60,4 @@ __all__ = [
     'state_to_collected',
 ]
 
-del _batching, _invariance, _loops, _rules, _sharding
+del _batching, _custom_primal, _invariance, _loops, _rules, _sharding

@@ -22,6 +22,7 @@ new JAX release is adapted in this file alone. The tested range is declared in
 from __future__ import annotations
 
 import contextlib
+import functools
 import typing as tp
 
 import jax
@@ -36,6 +37,7 @@ from jax._src import config as jax_config
 from jax._src import mesh as mesh_lib
 from jax._src import pjit
 from jax._src import shard_map as shard_map_lib
+from jax._src import sharding_impls
 from jax._src import source_info_util
 from jax._src import stages
 from jax._src import util as jax_util
@@ -75,6 +77,13 @@ current_source_info = source_info_util.current
 eval_jaxpr = core.eval_jaxpr
 trace_ctx = core.trace_ctx
 convert_constvars_jaxpr = pe.convert_constvars_jaxpr
+
+
+def partial_eval_jaxpr_nounits(*args, **kwargs):
+  """``pe.partial_eval_jaxpr_nounits``, looked up at each call (it is
+  wrapped, see :func:`wrap_partial_eval_nounits`)."""
+  return pe.partial_eval_jaxpr_nounits(*args, **kwargs)
+
 primitive_jvps = ad.primitive_jvps
 primitive_transposes = ad.primitive_transposes
 instantiate_zeros = ad.instantiate_zeros
@@ -84,6 +93,16 @@ partial_eval_jaxpr_custom_rules = pe.partial_eval_jaxpr_custom_rules
 new_jaxpr_eqn = pe.new_jaxpr_eqn
 user_context = source_info_util.user_context
 current_name_stack = source_info_util.current_name_stack
+
+
+def is_eval_trace(trace) -> bool:
+  """Whether ``trace`` is JAX's eval trace (no transform is tracing)."""
+  return isinstance(trace, core.EvalTrace)
+
+
+def jit_disabled() -> bool:
+  """Whether ``jax.disable_jit()`` is in force."""
+  return bool(jax_config.disable_jit.value)
 
 
 def summarize_source(source_info) -> str:
@@ -306,6 +325,75 @@ def check_compiled_calls(check: tp.Callable[[], None]) -> None:
     return original(self, *args, **kwargs)
 
   stages.Compiled.__call__ = __call__
+
+
+def is_differentiating(trace) -> bool:
+  """Whether ``trace`` is a forward-mode or linearizing trace of JAX's AD."""
+  return isinstance(trace, (ad.JVPTrace, ad.LinearizeTrace))
+
+
+def primal_of(trace, x) -> tp.Any:
+  """The primal value of ``x`` under the differentiating ``trace``."""
+  return trace.to_primal_tangent_pair(x)[0]
+
+
+def has_tangent(trace, x) -> bool:
+  """Whether ``x`` has a non-zero (symbolic or not) tangent under ``trace``."""
+  return type(trace.to_primal_tangent_pair(x)[1]) is not Zero
+
+
+def wrap_bind_with_trace(primitive: Primitive, wrapper: tp.Callable) -> None:
+  """``primitive.bind_with_trace`` becomes ``wrapper(original, trace, args,
+  avals, params)`` (set on the primitive object). Idempotent.
+
+  JAX hook that would remove this: a per-primitive rule that runs before a
+  differentiating trace applies a custom rule.
+  """
+  original = primitive.bind_with_trace
+  if getattr(original, '_sow_wrapped', False):
+    return
+
+  def bind_with_trace(trace, args, avals, params, /):
+    return wrapper(original, trace, args, avals, params)
+
+  bind_with_trace._sow_wrapped = True  # pylint: disable=protected-access
+  primitive.bind_with_trace = bind_with_trace
+
+
+def eager_mesh_api(is_eager: tp.Callable[[], bool]) -> None:
+  """Lets ``jax.set_mesh`` and ``jax.sharding.get_mesh`` run where
+  ``is_eager()`` says that no transform is tracing, although a trace that
+  only watches (an eager capture's) is current.
+
+  Both refuse to run unless the eval trace is current
+  (``core.trace_state_clean``); they run as at top level. Idempotent.
+  JAX hook that would remove this: a way for a trace to declare itself
+  transparent to ``trace_state_clean``.
+  """
+  cls = sharding_impls.set_mesh
+  if getattr(cls.__init__, '_sow_wrapped', False):
+    return
+  original_init = cls.__init__
+  original_get = sharding_impls.get_mesh
+
+  def __init__(self, mesh):
+    if is_eager():
+      with core.set_current_trace(core.eval_trace):
+        return original_init(self, mesh)
+    return original_init(self, mesh)
+
+  def get_mesh():
+    if is_eager():
+      with core.set_current_trace(core.eval_trace):
+        return original_get()
+    return original_get()
+
+  functools.update_wrapper(__init__, original_init)
+  functools.update_wrapper(get_mesh, original_get)
+  __init__._sow_wrapped = True  # pylint: disable=protected-access
+  cls.__init__ = __init__
+  sharding_impls.get_mesh = get_mesh
+  jax.sharding.get_mesh = get_mesh
 
 
 def wrap_rule(registry: dict, primitive: Primitive, wrapper: tp.Callable):

@@ -76,6 +76,7 @@ def _sow_again(layout: Layout, values, dims, axis_size) -> None:
         treedef=spec.treedef,
         kind=spec.kind,
         batch_dims=1,
+        ordinal=spec.ordinal,
     )
 
 

@@ -193,13 +193,21 @@ class ReducedSpec:
 
 
 class EntrySpec(tp.NamedTuple):
-  """One plain entry among a rewritten jaxpr's extra outputs."""
+  """One plain entry among a rewritten jaxpr's extra outputs.
+
+  A ``perturb``'s forward marker is an entry of ``size`` 0 and kind
+  ``'perturb'``: it returns nothing, but says where the forward pass of that
+  perturb ran among the cotangents, so that :meth:`Collector.result` can put
+  the cotangents of several backward passes in call order.
+  """
 
   name: Name
   tag: tp.Hashable
   treedef: tp.Any
   size: int  # number of leaves
-  kind: str = 'value'  # or 'cotangent' (see primitive.py)
+  kind: str = 'value'  # or 'cotangent' or 'perturb' (see primitive.py)
+  # For 'perturb' and 'cotangent': the perturb call's ordinal (perturb.py).
+  ordinal: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,6 +246,55 @@ def _sharded_error(name, where_=''):
       ' folded together with values from elsewhere; give the sites'
       ' different names and combine the results yourself.'
   )
+
+
+def _meaning_error(name, where_=''):
+  return ValueError(
+      f'capture: {name!r}{where_} is used by sow(...) and by perturb(...) in'
+      ' one capture. A name holds sown values or perturb cotangents, never'
+      ' both (intervene could not tell a gradient from a value); give the'
+      ' perturb another name, e.g. name=(..., "grad").'
+  )
+
+
+def _disable_jit_error(name, where_=''):
+  return ValueError(
+      f'sow {name!r}{where_}: capture cannot collect a plain sow or a perturb'
+      ' cotangent under jax.disable_jit(): lax.scan, fori_loop and'
+      ' while_loop then run as Python loops, so a value sown inside one would'
+      ' come back as one entry per iteration instead of one stacked entry'
+      ' (and a plain sow in a while_loop would not raise). Leave disable_jit'
+      ' for the capture (`with jax.disable_jit(False):` around the call), or'
+      ' pass reduce_fn/init_fn, which reduce the same way with or without'
+      ' jit.'
+  )
+
+
+def _meaning(kind: str) -> str:
+  return 'cotangent' if kind in ('perturb', 'cotangent') else 'value'
+
+
+def _in_call_order(items: list[tuple[EntrySpec, tp.Any]]) -> list[tp.Any]:
+  """The cotangents of one name, in the order of their ``perturb`` calls.
+
+  ``items`` are the name's entries in the order the program ran them: the
+  forward markers and the cotangents. A backward pass sows the cotangents of
+  its perturbs last call first, so their ordinals decrease; a marker (a new
+  forward pass) or an ordinal that does not decrease starts a new pass. Each
+  pass is reversed; the passes keep their order.
+  """
+  passes: list[list[tp.Any]] = [[]]
+  last = None
+  for spec, value in items:
+    if spec.kind == 'perturb':
+      passes.append([])
+      last = None
+      continue
+    if last is not None and (spec.ordinal is None or spec.ordinal >= last):
+      passes.append([])
+    passes[-1].append(value)
+    last = spec.ordinal
+  return [v for p in passes for v in reversed(p)]
 
 
 def _reduction_error(name, where_=''):
@@ -283,6 +340,8 @@ class Collector:
     self.accumulators: dict[Name, Accumulator] = {}
     self.names: dict[Name, None] = {}
     self.plain_names: set[Name] = set()
+    # 'value' or 'cotangent' per name: one name, one meaning.
+    self.meanings: dict[Name, str] = {}
     # Reduced names kept per shard of a ``shard_map`` (their accumulators
     # have the leading mesh axes of ``ShardAxes``).
     self.sharded: dict[Name, ShardAxes] = {}
@@ -313,11 +372,24 @@ class Collector:
 
   # -- recording ----------------------------------------------------------
 
+  def claim(self, name: Name, kind: str, where_: str = '') -> None:
+    """Records that ``name`` holds values or cotangents (by ``kind``).
+
+    Raises:
+      ValueError: if the name already holds the other.
+    """
+    meaning = _meaning(kind)
+    if self.meanings.setdefault(name, meaning) != meaning:
+      raise _meaning_error(name, where_)
+
   def add_entry(
       self, spec: EntrySpec, leaves: tp.Sequence[tp.Any], where_: str = ''
   ):
     if spec.name in self.accumulators:
       raise _reduction_error(spec.name, where_)
+    self.claim(spec.name, spec.kind, where_)
+    if spec.kind != 'perturb' and _jax.jit_disabled():
+      raise _disable_jit_error(spec.name, where_)
     self.names.setdefault(spec.name, None)
     self.plain_names.add(spec.name)
     self.entries.append((spec, list(leaves)))
@@ -347,6 +419,7 @@ class Collector:
     """
     acc = self.accumulators.get(name)
     if acc is None:
+      self.claim(name, 'value', where_)
       if name in self.plain_names:
         raise _reduction_error(name, where_)
       acc = reductions.initial_accumulator(reduction, *value, closure)
@@ -439,22 +512,35 @@ class Collector:
 
     ``where_`` formats as `` (at file:line)`` for errors.
     """
+    if p['kind'] == 'perturb':
+      # Collects nothing, but the name takes its place in the order of
+      # first sow here, and the marker says where this forward pass ran
+      # (a perturb's cotangent arrives later, in the backward pass).
+      spec = EntrySpec(
+          p['name'], p['tag'], p['treedef'], 0, 'perturb', p.get('ordinal')
+      )
+      self.add_entry(spec, [], where_)
+      return invals
     if p['kind'] in MARKER_KINDS:
-      # Collects nothing; the name takes its place in the order of first
-      # sow here (a perturb's cotangent arrives later, in the backward pass).
       self.names.setdefault(p['name'], None)
       return invals
+    n = len(invals) - p['n_closure']
+    given = invals[:n]  # returned as they are (NumPy stays NumPy)
     invals = [
         x
         if isinstance(x, (jax.Array, jax.core.Tracer)) or _jax.is_ref(x)
         else jnp.asarray(x)
         for x in invals
     ]
-    n = len(invals) - p['n_closure']
     values, closure = invals[:n], invals[n:]
     if p['reduction'] is None:
       spec = EntrySpec(
-          p['name'], p['tag'], p['treedef'], len(values), p['kind']
+          p['name'],
+          p['tag'],
+          p['treedef'],
+          len(values),
+          p['kind'],
+          p.get('ordinal'),
       )
       self.add_entry(spec, values, where_)
     else:
@@ -467,7 +553,7 @@ class Collector:
           where_,
           closure,
       )
-    return values
+    return given
 
   # -- sub-jaxprs ---------------------------------------------------------
 
@@ -634,26 +720,26 @@ class Collector:
 
   def result(self) -> Collected:
     """The ``collected`` dict: names in order of first sow."""
-    plain: dict[Name, list[tp.Any]] = {}
-    backward: dict[Name, bool] = {}
+    plain: dict[Name, list[tuple[EntrySpec, tp.Any]]] = {}
     for spec, ls in self.entries:
-      plain.setdefault(spec.name, []).append(
-          jax.tree_util.tree_unflatten(spec.treedef, ls)
-      )
-      backward[spec.name] = backward.get(spec.name, True) and (
-          spec.kind == 'cotangent'
-      )
+      value = None
+      if spec.kind != 'perturb':
+        value = jax.tree_util.tree_unflatten(spec.treedef, ls)
+      plain.setdefault(spec.name, []).append((spec, value))
     out = Collected()
+    cotangents = set()
     for name in self.names:
       if name in self.accumulators:
         acc = self.accumulators[name]
         out[name] = jax.tree_util.tree_unflatten(acc.treedef, acc.leaves)
+      elif self.meanings.get(name) == 'cotangent':
+        values = _in_call_order(plain.get(name, []))
+        if values:  # else: a perturb never differentiated: nothing
+          out[name] = tuple(values)
+          cotangents.add(name)
       elif name in plain:
-        # Cotangents are sown by the backward pass, last call first.
-        values = plain[name][::-1] if backward[name] else plain[name]
-        out[name] = tuple(values)
-      # else: only a marker (a perturb never differentiated): nothing.
-    out.cotangents = frozenset(n for n in out if n in backward and backward[n])
+        out[name] = tuple(v for _, v in plain[name])
+    out.cotangents = frozenset(cotangents)
     return out
 
 
@@ -758,10 +844,22 @@ def edit_plain_sows(
         ]
         subst.update(zip(eqn.outvars, operands))
         names.setdefault(p['name'], None)
-        if p['kind'] not in MARKER_KINDS:
+        if p['kind'] == 'perturb':  # the forward marker (see EntrySpec)
           entries.append(
               EntrySpec(
-                  p['name'], p['tag'], p['treedef'], len(operands), p['kind']
+                  p['name'], p['tag'], p['treedef'], 0, 'perturb',
+                  p.get('ordinal'),
+              )
+          )
+        elif p['kind'] not in MARKER_KINDS:
+          entries.append(
+              EntrySpec(
+                  p['name'],
+                  p['tag'],
+                  p['treedef'],
+                  len(operands),
+                  p['kind'],
+                  p.get('ordinal'),
               )
           )
           sown.extend(operands)

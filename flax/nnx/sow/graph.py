@@ -138,8 +138,9 @@ def functional_graph_call(
       scope.add_root(node)
   for node in referenced_graph_nodes(f if refers_to is None else refers_to):
     scope.add_root(node)
-  if any(isinstance(x, np.ndarray) for x in leaves):
-    # NumPy arrays reach ``f`` as JAX arrays, as they would traced.
+  if not in_place and any(isinstance(x, np.ndarray) for x in leaves):
+    # NumPy arrays reach ``f`` as JAX arrays, as they would traced. (Run in
+    # place, ``f`` gets the caller's objects, NumPy arrays included.)
     leaves = [
         jnp.asarray(x) if isinstance(x, np.ndarray) else x for x in leaves
     ]

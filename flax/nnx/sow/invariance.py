@@ -211,6 +211,67 @@ _jax.wrap_rule(
 
 
 # ----------------------------------------------------------------------------
+# while under linearize: the staged copy collects nothing.
+#
+# ``jax.linearize`` (and ``jax.jvp`` of a partially known loop) splits a
+# ``while_loop`` with JAX's ``_while_partial_eval``: it runs the known part of
+# the loop now and stages the whole loop again, primal and tangent, into the
+# linear function, so a sow in the body would be collected again each time
+# the linear function is applied. Where the known loop runs, the staged
+# loop's sows become remat copies.
+
+
+def _while_splits(tracers, params) -> bool:
+  """Whether JAX's rule runs a known part of the loop (the carries that do
+  not depend on unknown inputs, with a known predicate)."""
+  unknowns = [not t.pval.is_known() for t in tracers]
+  if all(unknowns) or not any(unknowns):
+    return False
+  n_cc, n_bc = params['cond_nconsts'], params['body_nconsts']
+  cond_uk, body_uk = unknowns[:n_cc], unknowns[n_cc : n_cc + n_bc]
+  carry_uk = unknowns[n_cc + n_bc :]
+  for _ in range(1 + len(carry_uk)):
+    *_, out_uk, _ = _jax.partial_eval_jaxpr_nounits(
+        params['body_jaxpr'], body_uk + carry_uk, instantiate=carry_uk
+    )
+    if out_uk == carry_uk:
+      break
+    carry_uk = [a or b for a, b in zip(carry_uk, out_uk)]
+  *_, [pred_uk], _ = _jax.partial_eval_jaxpr_nounits(
+      params['cond_jaxpr'], cond_uk + carry_uk, instantiate=False
+  )
+  return not pred_uk
+
+
+def _while_partial_eval(jax_rule, trace, *tracers, **params):
+  if not _holds_staged_sow(params['body_jaxpr'].jaxpr) or not _while_splits(
+      tracers, params
+  ):
+    return jax_rule(trace, *tracers, **params)
+  default = trace.default_process_primitive
+
+  def staged_copy(primitive, tracers_, params_):
+    if primitive is _jax.while_p:
+      params_ = dict(
+          params_,
+          body_jaxpr=without_staged_sows(params_['body_jaxpr']),
+          cond_jaxpr=without_staged_sows(params_['cond_jaxpr']),
+      )
+    return default(primitive, tracers_, params_)
+
+  trace.default_process_primitive = staged_copy
+  try:
+    return jax_rule(trace, *tracers, **params)
+  finally:
+    del trace.default_process_primitive
+
+
+_jax.wrap_rule(
+    _jax.custom_partial_eval_rules, _jax.while_p, _while_partial_eval
+)
+
+
+# ----------------------------------------------------------------------------
 # custom_jvp / custom_vjp under remat: collected once, recomputed freely.
 #
 # JAX has no partial-evaluation rule for these under ``checkpoint``; its

@@ -390,8 +390,12 @@ def _cond_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
   specs = collector.vary_accumulators(collector.reduced_specs(branches), axes)
   acc_in = collector.accumulator_leaves(specs)
   n_out = len(eqn.outvars)
+  # A perturb's forward marker returns nothing; one branch may hold it and
+  # another not (its cotangents, if any, are aligned like values).
   new_branches, layout = align_branches(
-      [collector.rewrite(b, specs) for b in branches], n_out, branches
+      [_without_markers(*collector.rewrite(b, specs)) for b in branches],
+      n_out,
+      branches,
   )
   new_branches, hoisted = _branches_hoisted(new_branches)
   index, ops = invals[0], invals[1:]
@@ -405,6 +409,11 @@ def _cond_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
   if axes:
     outs = [*outs[:n_out], *(_jax.pvary(x, tuple(axes)) for x in outs[n_out:])]
   return collector.split_outputs(layout, outs, n_out)
+
+
+def _without_markers(closed, layout: Layout):
+  entries = tuple(e for e in layout.entries if e.kind != 'perturb')
+  return closed, dataclasses.replace(layout, entries=entries)
 
 
 def _branches_hoisted(branches):

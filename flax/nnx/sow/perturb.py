@@ -25,9 +25,15 @@ differentiation (``jax.jvp``, ``jax.jacfwd``) sees an identity.
 
 from __future__ import annotations
 
+import itertools
 import typing as tp
 
 from flax.nnx.sow import primitive
+
+# Numbers the ``perturb`` calls as they are traced (``ordinal`` in
+# primitive.py): within one backward pass, cotangents arrive in decreasing
+# order, which is how a capture tells passes apart.
+_ORDINALS = itertools.count()
 
 
 def perturb(
@@ -71,6 +77,11 @@ def perturb(
   if primitive.is_eager():
     return value
   out = primitive.bind_sow(
-      leaves, name=name, tag=tag, treedef=treedef, kind='perturb'
+      leaves,
+      name=name,
+      tag=tag,
+      treedef=treedef,
+      kind='perturb',
+      ordinal=next(_ORDINALS),
   )
-  return primitive.unflatten(treedef, out)
+  return primitive.unflatten(treedef, primitive.same_objects(value, out))

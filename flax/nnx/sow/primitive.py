@@ -80,6 +80,10 @@ sow_p.multiple_results = True
 #   traced values a reduced sow's ``init_fn``/``reduce_fn`` close over
 #   (``reductions.py``), carried to the capture as operands. The outputs are
 #   the sown leaves only.
+# * ``ordinal`` (only on a ``perturb``'s marker and its cotangent): a number that
+#   grows with every ``perturb`` call traced (``perturb.py``), so that a
+#   capture can tell the backward passes of one name apart and put their
+#   cotangents in call order (``Collector.result``).
 # * ``remat_copy``: the copy of a sow that partial evaluation leaves in a
 #   rematerialised (recomputed) program: an identity without effect that no
 #   capture collects, so a sow inside ``jax.checkpoint`` is collected once
@@ -121,6 +125,20 @@ class Intervening:
     )
 
 
+_HIDDEN = jax.make_user_context(frozenset())
+
+
+def hiding(names: tp.Iterable[Name]):
+  """The context in which value sows of ``names`` are bound as remat copies.
+
+  Used while a custom derivative rule runs for a primal whose sows were
+  already collected (``custom_primal.py``): a rule that calls the primal
+  function again must not collect them twice. Part of JAX's tracing cache
+  key, like :func:`staging`.
+  """
+  return _HIDDEN(_HIDDEN.value | frozenset(names))
+
+
 def staging_active() -> bool:
   return bool(_STAGING.value)
 
@@ -152,8 +170,10 @@ def bind_sow(
     kind: str = 'value',
     batch_dims: int = 0,
     closure: tp.Sequence[tp.Any] = (),
+    ordinal: int | None = None,
 ) -> list[tp.Any]:
   """Binds ``sow_p`` (effectful while a capture stages)."""
+  extra = {} if ordinal is None else {'ordinal': ordinal}
   return sow_p.bind(
       *leaves,
       *closure,
@@ -165,7 +185,10 @@ def bind_sow(
       batch_dims=batch_dims,
       n_closure=len(closure),
       effect=staging_active(),
-      remat_copy=False,
+      remat_copy=bool(_HIDDEN.value)
+      and kind == 'value'
+      and name in _HIDDEN.value,
+      **extra,
   )
 
 
@@ -214,6 +237,7 @@ def _sow_jvp(primals, tangents, **params):
       name=params['name'],
       tag=params['tag'],
       treedef=params['treedef'],
+      ordinal=params.get('ordinal'),
   )
 
 
@@ -276,12 +300,19 @@ def _perturb_tangent_jvp(primals, tangents, **params):
   )
 
 
-def _perturb_tangent_transpose(cts, *args, name, tag, treedef):
+def _perturb_tangent_transpose(cts, *args, name, tag, treedef, ordinal):
   cts = [
       _jax.instantiate_zeros(ct) if type(ct) is _jax.Zero else ct for ct in cts
   ]
   del args
-  return bind_sow(cts, name=name, tag=tag, treedef=treedef, kind='cotangent')
+  return bind_sow(
+      cts,
+      name=name,
+      tag=tag,
+      treedef=treedef,
+      kind='cotangent',
+      ordinal=ordinal,
+  )
 
 
 def _perturb_tangent_batch(axis_data, leaves, dims, **params):
@@ -401,6 +432,16 @@ def is_eager() -> bool:
   return isinstance(_jax.trace_ctx.trace, _jax.core.EvalTrace)
 
 
+def same_objects(value: tp.Any, out: tp.Sequence[tp.Any]) -> list[tp.Any]:
+  """``out``, where a leaf is not traced, as the caller's own leaf of
+  ``value`` (an eager capture then hands ``f`` back its NumPy arrays and
+  Python scalars, as ``sow`` does outside any capture)."""
+  given = jax.tree_util.tree_leaves(value)
+  return [
+      o if isinstance(o, jax.core.Tracer) else x for x, o in zip(given, out)
+  ]
+
+
 def unflatten(treedef, leaves):
   return jax.tree_util.tree_unflatten(treedef, leaves)
 
@@ -494,4 +535,4 @@ def sow(
       reduction=reduction,
       closure=closure,
   )
-  return jax.tree_util.tree_unflatten(treedef, out)
+  return unflatten(treedef, same_objects(value, out))

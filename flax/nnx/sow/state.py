@@ -224,7 +224,8 @@ def flatten_names(
     sep: the separator between the parts of a path.
 
   Returns:
-    A ``Collected`` dict with the same values, keyed by strings.
+    A ``Collected`` dict with the same values, keyed by strings; the names
+    marked as ``perturb`` cotangents (``Collected.cotangents``) stay marked.
 
   Raises:
     ValueError: if two names give the same string (``'a/b'`` and
@@ -239,4 +240,10 @@ def flatten_names(
           f' {key!r}; rename one of them or choose another sep.'
       )
     out[key] = value
+  # The names that hold perturb cotangents keep that mark, under their new
+  # keys (intervene refuses them as values).
+  marked = getattr(collected, 'cotangents', frozenset())
+  out.cotangents = frozenset(
+      sep.join(str(p) for p in name_to_path(n)) for n in marked
+  )
   return out

@@ -41,12 +41,8 @@ from __future__ import annotations
 
 import typing as tp
 
-import jax
-import numpy as np
-
 from flax.nnx.sow import _jax
 from flax.nnx.sow import capture as capture_lib
-from flax.nnx.sow import paths
 from flax.nnx.sow.primitive import sow_p
 from flax.nnx.sow.primitive import staging
 
@@ -100,6 +96,10 @@ class CaptureTrace(_jax.Trace):
     super().__init__()
     self.parent = parent
     self.collector = collector
+    # Called outside any transform: ``f`` runs op by op on the eval trace.
+    self.eager = _jax.is_eval_trace(parent) or (
+        isinstance(parent, CaptureTrace) and parent.eager
+    )
     # Lowering of Hijax types happens where the parent wants it.
     self.requires_low = parent.requires_low
     # What JAX shows as the current trace's identity (``jax.core.
@@ -142,6 +142,11 @@ class CaptureTrace(_jax.Trace):
   def process_custom_jvp_call(
       self, primitive, fun, jvp, args, /, *, symbolic_zeros
   ):
+    if self.eager:
+      # As JAX's eval trace does: run the primal function, op by op (its
+      # Python may read values); its sows reach this trace.
+      with _jax.set_current_trace(self):
+        return fun.call_wrapped(*args)
     outs = self._collect_alone(
         lambda *xs: primitive.bind(
             *xs, subfuns=(fun, jvp), symbolic_zeros=symbolic_zeros
@@ -155,6 +160,9 @@ class CaptureTrace(_jax.Trace):
   def process_custom_vjp_call(
       self, primitive, fun, fwd, bwd, args, /, *, out_trees, symbolic_zeros
   ):
+    if self.eager:
+      with _jax.set_current_trace(self):
+        return fun.call_wrapped(*args)
     outs = self._collect_alone(
         lambda *xs: primitive.bind(
             *xs,
@@ -231,6 +239,16 @@ def _refuse_compiled_calls() -> None:
 _jax.check_compiled_calls(_refuse_compiled_calls)
 
 
+def _in_eager_capture() -> bool:
+  trace = _jax.trace_ctx.trace
+  return isinstance(trace, CaptureTrace) and trace.eager
+
+
+# Eagerly, a capture only watches what ``f`` binds: JAX's eager-only APIs
+# behave as without it.
+_jax.eager_mesh_api(_in_eager_capture)
+
+
 def _one_rule_called(fun, rule) -> None:
   """Leaves the output structure of a custom rule where JAX looks for it.
 
@@ -243,17 +261,6 @@ def _one_rule_called(fun, rule) -> None:
     _jax.reset_stores(fun)
 
 
-def _with_jax_arrays(tree):
-  """``tree`` with its NumPy arrays as JAX arrays; graph nodes untouched."""
-  leaves, treedef = jax.tree.flatten(tree, is_leaf=paths.is_graph_leaf)
-  if not any(isinstance(x, np.ndarray) for x in leaves):
-    return tree
-  leaves = [
-      jax.numpy.asarray(x) if isinstance(x, np.ndarray) else x for x in leaves
-  ]
-  return jax.tree.unflatten(treedef, leaves)
-
-
 def trace_and_collect(
     f: tp.Callable[..., tp.Any],
     accepts_key: frozenset | None,
@@ -263,8 +270,8 @@ def trace_and_collect(
   """Calls ``f(*args, **kwargs)`` under a :class:`CaptureTrace`.
 
   The arguments reach ``f`` as they are (NNX graph nodes are the caller's
-  objects, which ``f`` may update); NumPy arrays among the outputs become
-  JAX arrays.
+  objects, which ``f`` may update; NumPy arrays stay NumPy arrays), and
+  ``f``'s output comes back as it is.
 
   Returns:
     ``(f's output, collected)``.
@@ -276,4 +283,4 @@ def trace_and_collect(
       out = f(*args, **kwargs)
   finally:
     trace.invalidate()
-  return _with_jax_arrays(out), collector.result()
+  return out, collector.result()

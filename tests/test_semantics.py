@@ -1,0 +1,573 @@
+# Copyright 2026 The Flax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""What a capture collects, wherever a user can reach it.
+
+Custom rules that never call the primal, linearized functions applied
+several times, cotangents of several backward passes, one name with two
+meanings, and an eager capture that runs ``f`` as ``f`` runs. Expected values
+are computed by hand or by the same program written without ``sow``.
+"""
+
+import functools
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flax.nnx.sow import capture
+from flax.nnx.sow import flatten_names
+from flax.nnx.sow import intervene
+from flax.nnx.sow import perturb
+from flax.nnx.sow import sow
+
+X = np.array([0.5, -1.0, 2.0], np.float32)
+
+
+def add(a, b):
+  return a + b
+
+
+def zero_count():
+  return jnp.int32(0)
+
+
+def count_step():
+  sow(jnp.int32(1), name='steps', reduce_fn=add, init_fn=zero_count)
+
+
+# ----------------------------------------------------------------------------
+# custom rules that do not call the primal function
+
+
+@jax.custom_jvp
+def sin_jvp(x):
+  return sow(jnp.sin(x), name='p')
+
+
+# The rule computes the primal output itself: the body above never runs.
+sin_jvp.defjvp(lambda p, t: (jnp.sin(p[0]), jnp.cos(p[0]) * t[0]))
+
+
+@jax.custom_jvp
+def sin_jvp_calls(x):
+  return sow(jnp.sin(x), name='p')
+
+
+# The usual form: the rule calls the primal function.
+sin_jvp_calls.defjvp(lambda p, t: (sin_jvp_calls(p[0]), jnp.cos(p[0]) * t[0]))
+
+
+@jax.custom_vjp
+def sin_vjp(x):
+  return sow(jnp.sin(x), name='p')
+
+
+def _sin_fwd(x):
+  return jnp.sin(x), x  # does not call sin_vjp
+
+
+sin_vjp.defvjp(_sin_fwd, lambda x, g: (jnp.cos(x) * g,))
+
+
+@jax.custom_vjp
+def sin_vjp_own(x):
+  return sow(jnp.sin(x), name='p')
+
+
+def _sin_fwd_own(x):
+  # The fwd rule's own sow is collected beside the primal body's.
+  sow(x * 3.0, name='q')
+  return sin_vjp_own(x), x
+
+
+sin_vjp_own.defvjp(_sin_fwd_own, lambda x, g: (jnp.cos(x) * g,))
+
+CUSTOM = [
+    ('jvp_skips_primal', sin_jvp),
+    ('jvp_calls_primal', sin_jvp_calls),
+    ('vjp_skips_primal', sin_vjp),
+]
+
+
+def _loss(fn):
+  return lambda x: jnp.sum(fn(x) * 2.0)
+
+
+def _differentiated(name, fn):
+  loss = _loss(fn)
+  return {
+      'grad': jax.grad(loss),
+      'value_and_grad': lambda x: jax.value_and_grad(loss)(x)[1],
+      'jvp': lambda x: jax.jvp(loss, (x,), (jnp.ones_like(x),))[1],
+      'linearize': lambda x: jax.linearize(loss, x)[1](x),
+      'vjp': lambda x: jax.vjp(loss, x)[1](1.0)[0],
+      'grad_of_jit': jax.grad(jax.jit(loss)),
+      'hessian_diag': lambda x: jnp.diag(jax.hessian(loss)(x)),
+  }[name]
+
+
+class CustomRuleSkipsPrimalTest(parameterized.TestCase):
+  """``capture(T(f))`` collects the primal body's sows, once."""
+
+  @parameterized.parameters(
+      (custom, transform, jit)
+      for custom, _ in CUSTOM
+      for transform in (
+          'grad',
+          'value_and_grad',
+          'jvp',
+          'linearize',
+          'vjp',
+          'grad_of_jit',
+      )
+      # JAX has no forward mode (jvp, linearize) for custom_vjp.
+      if not (
+          custom == 'vjp_skips_primal' and transform in ('jvp', 'linearize')
+      )
+      for jit in (False, True)
+  )
+  def test_primal_sows_collected_once(self, custom, transform, jit):
+    fn = dict(CUSTOM)[custom]
+    g = _differentiated(transform, fn)
+    run = jax.jit(capture(g)) if jit else capture(g)
+    out, collected = run(X)
+    self.assertEqual(list(collected), ['p'])
+    self.assertLen(collected['p'], 1)
+    np.testing.assert_allclose(collected['p'][0], np.sin(X), rtol=1e-6)
+    # The custom rule still gives the derivative: d/dx sum(2 sin x).
+    expected = 2.0 * np.cos(X)
+    if transform == 'jvp':
+      expected = np.sum(expected)
+    elif transform == 'linearize':
+      expected = np.sum(expected * X)
+    np.testing.assert_allclose(out, expected, rtol=1e-5)
+
+  @parameterized.parameters(c for c, _ in CUSTOM)
+  def test_hessian(self, custom):
+    # jax.hessian is jacfwd(jacrev): vmapped, so the primal carries the
+    # basis axis (SPEC, vmap row); every row is sin(x).
+    fn = dict(CUSTOM)[custom]
+    out, collected = capture(_differentiated('hessian_diag', fn))(X)
+    np.testing.assert_allclose(out, -2.0 * np.sin(X), rtol=1e-5, atol=1e-6)
+    (p,) = collected['p']
+    np.testing.assert_allclose(p, np.broadcast_to(np.sin(X), (3, 3)), 1e-6)
+
+  def test_fwd_rule_sows_are_kept(self):
+    out, collected = capture(jax.grad(_loss(sin_vjp_own)))(X)
+    np.testing.assert_allclose(out, 2.0 * np.cos(X), rtol=1e-6)
+    self.assertEqual(sorted(collected, key=str), ['p', 'q'])
+    np.testing.assert_allclose(collected['p'][0], np.sin(X), rtol=1e-6)
+    np.testing.assert_allclose(collected['q'][0], 3.0 * X, rtol=1e-6)
+    self.assertLen(collected['p'], 1)
+
+  def test_reduced_sow_in_custom_body_counted_once(self):
+    @jax.custom_jvp
+    def f(x):
+      count_step()
+      return jnp.sin(x)
+
+    f.defjvp(lambda p, t: (f(p[0]), jnp.cos(p[0]) * t[0]))
+
+    def loss(x):
+      return jnp.sum(f(x)) + jnp.sum(f(2.0 * x))
+
+    for g in (loss, jax.grad(loss), jax.jit(jax.grad(loss))):
+      _, collected = capture(g)(X)
+      self.assertEqual(int(collected['steps']), 2)
+
+  def test_closure_over_enclosing_jit_tracer(self):
+    @jax.jit
+    def step(x, w):
+      @jax.custom_jvp
+      def f(y):
+        return sow(jnp.sin(y) * w, name='p')  # closes over the jit's w
+
+      f.defjvp(lambda p, t: (jnp.sin(p[0]) * w, jnp.cos(p[0]) * w * t[0]))
+      return capture(jax.grad(lambda y: jnp.sum(f(y))))(x)
+
+    out, collected = step(X, 3.0)
+    np.testing.assert_allclose(out, 3.0 * np.cos(X), rtol=1e-6)
+    np.testing.assert_allclose(collected['p'][0], 3.0 * np.sin(X), rtol=1e-6)
+
+  def test_vmap_of_grad(self):
+    xs = np.stack([X, 2.0 * X])
+    out, collected = capture(jax.vmap(jax.grad(_loss(sin_jvp))))(xs)
+    np.testing.assert_allclose(out, 2.0 * np.cos(xs), rtol=1e-5)
+    np.testing.assert_allclose(collected['p'][0], np.sin(xs), rtol=1e-6)
+
+  def test_no_sow_custom_call_unchanged(self):
+    # jax.nn.relu's rule gives 0 at 0, and a straight-through estimator
+    # keeps its gradient, inside a differentiated capture too.
+    @jax.custom_jvp
+    def ste(x):
+      return jnp.round(x)
+
+    ste.defjvp(lambda p, t: (ste(p[0]), t[0]))
+
+    def loss(x):
+      sow(x, name='x')
+      return jnp.sum(jax.nn.relu(x) + ste(x))
+
+    x = np.array([0.0, 1.4, -2.0], np.float32)
+    out, collected = capture(jax.grad(loss))(x)
+    np.testing.assert_allclose(out, [1.0, 2.0, 1.0])
+    np.testing.assert_allclose(collected['x'][0], x)
+
+
+# ----------------------------------------------------------------------------
+# linearized functions applied several times
+
+
+def _while_counting(x):
+  def body(c):
+    i, y = c
+    count_step()
+    return i + 1, jnp.sin(y)
+
+  return jax.lax.while_loop(lambda c: c[0] < 3, body, (0, x))[1]
+
+
+def _scan_sowing(x):
+  def body(c, _):
+    count_step()
+    sow(c, name='c')
+    return jnp.sin(c), None
+
+  return jax.lax.scan(body, x, None, length=3)[0]
+
+
+def _cond_sowing(x):
+  def yes(y):
+    count_step()
+    sow(y, name='c')
+    return jnp.sin(y)
+
+  def no(y):
+    count_step()
+    sow(2.0 * y, name='c')
+    return jnp.cos(y)
+
+  return jax.lax.cond(jnp.sum(x) > 0, yes, no, x)
+
+
+def _jit_sowing(x):
+  @jax.jit
+  def g(y):
+    count_step()
+    sow(y, name='c')
+    return jnp.sin(y)
+
+  return g(g(x))
+
+
+PROGRAMS = {
+    'while': (_while_counting, 3, 0),
+    'scan': (_scan_sowing, 3, 1),
+    'cond': (_cond_sowing, 1, 1),
+    'jit': (_jit_sowing, 2, 2),
+    'remat_jit': (jax.checkpoint(_jit_sowing), 2, 2),
+}
+
+
+def _applied(how, f):
+  if how == 'linearize_once':
+    return lambda x: jax.linearize(f, x)[1](x)
+  if how == 'linearize_twice':
+    return lambda x: (lambda lin: lin(x) + lin(2.0 * x))(jax.linearize(f, x)[1])
+  if how == 'jvp':
+    return lambda x: jax.jvp(f, (x,), (x,))[1]
+  if how == 'vjp_twice':
+    return lambda x: (lambda y, pb: pb(y)[0] + pb(2.0 * y)[0])(*jax.vjp(f, x))
+  if how == 'transpose_twice':
+
+    def g(x):
+      lin = jax.linearize(f, x)[1]
+      t = jax.linear_transpose(lin, x)
+      return t(x)[0] + t(2.0 * x)[0]
+
+    return g
+  raise ValueError(how)
+
+
+class LinearizedFunctionTest(parameterized.TestCase):
+  """Applying a linear map (or its transpose) adds no primal entries."""
+
+  @parameterized.parameters(
+      (program, how, jit)
+      for program in PROGRAMS
+      for how in (
+          'linearize_once',
+          'linearize_twice',
+          'jvp',
+          'vjp_twice',
+          'transpose_twice',
+      )
+      # JAX cannot reverse-differentiate a while_loop.
+      if not (program == 'while' and how in ('vjp_twice', 'transpose_twice'))
+      for jit in (False, True)
+  )
+  def test_primal_entries_once(self, program, how, jit):
+    f, steps, n_plain = PROGRAMS[program]
+    g = _applied(how, f)
+    run = jax.jit(capture(g)) if jit else capture(g)
+    _, collected = run(X)
+    self.assertEqual(int(collected['steps']), steps)
+    if n_plain:
+      self.assertLen(collected['c'], n_plain)
+      _, plain = capture(f)(X)
+      for got, want in zip(collected['c'], plain['c']):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+  def test_while_linearize_values(self):
+    # The tangent of sin(sin(sin(x))) is unchanged by the capture.
+    lin = lambda x: jax.linearize(_while_counting, x)[1](x)
+    out, collected = capture(lin)(X)
+    np.testing.assert_allclose(out, lin(X), rtol=1e-6)
+    self.assertEqual(int(collected['steps']), 3)
+
+
+# ----------------------------------------------------------------------------
+# cotangents of several backward passes
+
+
+def _l1(x):
+  return jnp.sum(perturb(x, name='p') * 3.0)
+
+
+def _l2(x):
+  return jnp.sum(perturb(x, name='p') * 5.0)
+
+
+def _two_perturbs(x):
+  a = perturb(x, name='p')
+  b = perturb(x * 2.0, name='p')
+  return jnp.sum(a * 3.0 + b * 7.0)
+
+
+def _cot_values(collected):
+  return [float(np.asarray(v).ravel()[0]) for v in collected['p']]
+
+
+class BackwardPassOrderTest(parameterized.TestCase):
+  """Cotangents come back in the order of the ``perturb`` calls."""
+
+  @parameterized.parameters(False, True)
+  def test_two_grads(self, jit):
+    f = lambda x: jax.grad(_l1)(x) + jax.grad(_l2)(x)
+    run = jax.jit(capture(f)) if jit else capture(f)
+    self.assertEqual(_cot_values(run(X)[1]), [3.0, 5.0])
+    run = capture(jax.jit(f))
+    self.assertEqual(_cot_values(run(X)[1]), [3.0, 5.0])
+
+  def test_jitted_grads_traced_in_another_order(self):
+    g1, g2 = jax.jit(jax.grad(_l1)), jax.jit(jax.grad(_l2))
+    f = lambda x: (g2(x), g1(x), g2(x))
+    self.assertEqual(_cot_values(capture(f)(X)[1]), [5.0, 3.0, 5.0])
+    self.assertEqual(
+        _cot_values(jax.jit(capture(f))(X)[1]), [5.0, 3.0, 5.0]
+    )
+
+  @parameterized.parameters(False, True)
+  def test_pullback_called_twice(self, jit):
+    def f(x):
+      _, pb = jax.vjp(_two_perturbs, x)
+      return pb(1.0)[0] + pb(2.0)[0]
+
+    run = jax.jit(capture(f)) if jit else capture(f)
+    # Pass 1 (cotangent 1): 3, 7; pass 2 (cotangent 2): 6, 14.
+    self.assertEqual(_cot_values(run(X)[1]), [3.0, 7.0, 6.0, 14.0])
+
+  def test_value_and_grad_in_a_python_loop(self):
+    def f(x):
+      total = 0.0
+      for k in range(3):
+        loss = lambda x, k=k: jnp.sum(perturb(x, name='p') * (k + 1.0))
+        total = total + jax.grad(loss)(x)
+      return total
+
+    for run in (capture(f), jax.jit(capture(f)), capture(jax.jit(f))):
+      self.assertEqual(_cot_values(run(X)[1]), [1.0, 2.0, 3.0])
+
+  def test_grads_of_scans(self):
+    def loss(scale, x):
+      def body(c, xi):
+        return c + jnp.sum(perturb(xi, name='p')) * scale, None
+
+      return jax.lax.scan(body, 0.0, x)[0]
+
+    xs = np.ones((4, 2), np.float32)
+    f = lambda x: (jax.grad(loss, 1)(3.0, x), jax.grad(loss, 1)(5.0, x))
+    for run in (capture(f), jax.jit(capture(f))):
+      (p1, p2) = run(xs)[1]['p']
+      np.testing.assert_allclose(p1, np.full((4, 2), 3.0))
+      np.testing.assert_allclose(p2, np.full((4, 2), 5.0))
+
+
+# ----------------------------------------------------------------------------
+# one name, one meaning
+
+
+class OneNameOneMeaningTest(parameterized.TestCase):
+
+  def _program(self, x):
+    sow(x * 10.0, name='m')
+    return jnp.sum(perturb(x, name='m') * 2.0)
+
+  @parameterized.parameters('plain', 'grad', 'jit_grad', 'value_and_grad')
+  def test_value_and_cotangent_of_one_name_raise(self, how):
+    f = {
+        'plain': self._program,
+        'grad': jax.grad(self._program),
+        'jit_grad': jax.jit(jax.grad(self._program)),
+        'value_and_grad': jax.value_and_grad(self._program),
+    }[how]
+    with self.assertRaisesRegex(ValueError, r"'m'.*sow\(\.\.\.\) and by perturb"):
+      capture(f)(X)
+    with self.assertRaisesRegex(ValueError, r"'m'.*sow\(\.\.\.\) and by perturb"):
+      jax.jit(capture(f))(X)
+
+  def test_reduced_name_and_perturb_raise(self):
+    def f(x):
+      sow(jnp.sum(x), name='m', reduce_fn=add, init_fn=lambda: 0.0)
+      return jnp.sum(perturb(x, name='m'))
+
+    with self.assertRaisesRegex(ValueError, r"'m'.*perturb"):
+      capture(jax.grad(f))(X)
+
+  def test_other_names_fine(self):
+    def f(x):
+      sow(x * 10.0, name='m')
+      return jnp.sum(perturb(x, name='dm') * 2.0)
+
+    out, collected = capture(jax.grad(f))(X)
+    np.testing.assert_allclose(out, [2.0, 2.0, 2.0])
+    np.testing.assert_allclose(collected['m'][0], 10.0 * X)
+    np.testing.assert_allclose(collected['dm'][0], [2.0, 2.0, 2.0])
+    self.assertEqual(collected.cotangents, frozenset({'dm'}))
+
+  def test_flatten_names_keeps_the_cotangent_mark(self):
+    def f(x):
+      sow(x * 10.0, name=('blk', 'm'))
+      return jnp.sum(perturb(x, name=('blk', 'dm')) * 2.0)
+
+    _, collected = capture(jax.grad(f))(X)
+    flat = flatten_names(collected)
+    self.assertEqual(flat.cotangents, frozenset({'blk/dm'}))
+    # So intervene still refuses the gradient as a value.
+    g = lambda x: f(x)
+    with self.assertRaisesRegex(ValueError, 'cotangent'):
+      intervene(g, flat)(X)
+    # Under jit the mark travels with the pytree.
+    flat_jit = jax.jit(lambda c: c)(flat)
+    self.assertEqual(flat_jit.cotangents, frozenset({'blk/dm'}))
+
+
+# ----------------------------------------------------------------------------
+# eager capture runs f as f runs
+
+
+class EagerLikeFTest(parameterized.TestCase):
+
+  def test_numpy_arguments_keep_their_precision(self):
+    f = lambda a: float(np.sum(a) - 1.0)
+    a = np.array([1.0, 1e-9])
+    out, _ = capture(f)(a)
+    self.assertEqual(out, f(a))
+
+  def test_value_dependent_python_in_custom_rules(self):
+    @jax.custom_jvp
+    def signed(x):
+      if float(x) > 0:  # fine eagerly, as in JAX
+        return sow(x, name='pos')
+      return sow(-x, name='neg')
+
+    signed.defjvp(lambda p, t: (signed(p[0]), t[0]))
+
+    @jax.custom_vjp
+    def clip(x):
+      if float(x) > 1.0:
+        return sow(jnp.ones_like(x), name='clipped')
+      return x
+
+    clip.defvjp(lambda x: (clip(x), None), lambda _, g: (g,))
+
+    out, collected = capture(lambda x: signed(x) + clip(x))(jnp.float32(2.0))
+    self.assertEqual(float(out), 3.0)
+    self.assertEqual(list(collected), ['pos', 'clipped'])
+    out, collected = capture(lambda x: signed(x) + clip(x))(jnp.float32(-2.0))
+    self.assertEqual(float(out), 0.0)
+    self.assertEqual(list(collected), ['neg'])
+    # Nested eager captures too: the inner one collects.
+    (out, inner), outer = capture(lambda x: capture(signed)(x))(
+        jnp.float32(2.0)
+    )
+    self.assertEqual(float(out), 2.0)
+    self.assertEqual(list(inner), ['pos'])
+    self.assertEqual(dict(outer), {})
+
+  def test_set_mesh_and_get_mesh(self):
+    mesh = jax.make_mesh((1,), ('d',))
+
+    def f(x):
+      with jax.set_mesh(mesh):
+        got = jax.sharding.get_mesh()
+        y = sow(x * 2.0, name='y')
+      return y, got
+
+    (y, got), collected = capture(f)(jnp.arange(3.0))
+    self.assertIs(got, mesh)
+    np.testing.assert_allclose(y, [0.0, 2.0, 4.0])
+    np.testing.assert_allclose(collected['y'][0], [0.0, 2.0, 4.0])
+    # After the capture, the mesh is unset again, as JAX's context manager
+    # leaves it.
+    self.assertTrue(jax.sharding.get_abstract_mesh().empty)
+    # Inside jax.jit, JAX refuses set_mesh as it does without the capture.
+    with self.assertRaisesRegex(ValueError, 'outside of `jax.jit`'):
+      jax.jit(capture(f))(jnp.arange(3.0))
+
+  def test_disable_jit_raises_for_plain_sows(self):
+    def f(x):
+      return jax.lax.scan(lambda c, xi: (c, sow(xi, name='s')), 0.0, x)[1]
+
+    with jax.disable_jit():
+      with self.assertRaisesRegex(ValueError, r"'s'.*disable_jit"):
+        capture(f)(jnp.arange(3.0))
+      with self.assertRaisesRegex(ValueError, r"'s'.*disable_jit"):
+        capture(jax.grad(lambda x: jnp.sum(perturb(x, name='s'))))(X)
+      with jax.disable_jit(False):  # the fix the message gives
+        _, collected = capture(f)(jnp.arange(3.0))
+      np.testing.assert_allclose(collected['s'][0], [0.0, 1.0, 2.0])
+
+  def test_disable_jit_reduced_sows_match_jit(self):
+    def f(x):
+      def body(c):
+        i, y = c
+        count_step()
+        return i + 1, y * 2.0
+
+      return jax.lax.while_loop(lambda c: c[0] < 3, body, (0, x))[1]
+
+    _, with_jit = capture(f)(X)
+    with jax.disable_jit():
+      out, without = capture(f)(X)
+    np.testing.assert_allclose(out, 8.0 * X)
+    self.assertEqual(int(with_jit['steps']), 3)
+    self.assertEqual(int(without['steps']), 3)
+
+
+if __name__ == '__main__':
+  absltest.main()

@@ -34,16 +34,17 @@ stream, the model carries the information that decides its answer:
   gradients collected by ``perturb`` in ``capture(nnx.grad(metric))``.
 
 It prints the cells where the information flows and the correlation between
-the two maps, and writes both maps side by side as heatmaps to a PNG. The
-trained model's map has one hot cell per residual stream and reads like the
-induction circuit of Olsson et al. (2022), "In-context Learning and Induction
-Heads": the changed token's embedding (position 10); after the first layer,
-still position 10, where a previous-token head has written the final token
-(the one at position 9) for the second layer's induction head at the final
-position to match and read position 10's token; after the second layer, the
-final position. Attribution patching finds the same cells with smaller
-values: the logit difference saturates, so its first-order estimate falls
-short of the full effect.
+the two maps, and writes both maps side by side as heatmaps to
+``activation_patching.png`` in the current directory (``--out PATH`` to
+change it). The trained model's map has one hot cell per residual stream and
+reads like the induction circuit of Olsson et al. (2022), "In-context Learning
+and Induction Heads": the changed token's embedding (position 10); after the
+first layer, still position 10, where a previous-token head has written the
+final token (the one at position 9) for the second layer's induction head at
+the final position to match and read position 10's token; after the second
+layer, the final position. Attribution patching finds the same cells with
+smaller values: the logit difference saturates, so its first-order estimate
+falls short of the full effect.
 
 Run ``python examples/activation_patching.py --help`` for the flags.
 """
@@ -52,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 import time
 import typing as tp
 
@@ -405,8 +405,12 @@ def parse_args(argv: tp.Sequence[str] | None) -> argparse.Namespace:
   )
   parser.add_argument(
       '--out',
-      default=os.path.join(tempfile.gettempdir(), 'activation_patching.png'),
-      help='where to write the PNG with the two heatmaps',
+      metavar='PATH',
+      default='activation_patching.png',
+      help=(
+          'where to write the PNG with the two heatmaps (default: %(default)s'
+          ' in the current directory)'
+      ),
   )
   parser.add_argument(
       '--no-progress', action='store_true', help='hide the progress bar'
@@ -459,8 +463,9 @@ def main(argv: tp.Sequence[str] | None = None) -> dict[str, tp.Any]:
   correlation = float(
       np.corrcoef(activation.ravel(), attribution.ravel())[0, 1]
   )
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  plot(activation, attribution, args.out)
+  out = os.path.abspath(args.out)
+  os.makedirs(os.path.dirname(out), exist_ok=True)
+  plot(activation, attribution, out)
   done = time.perf_counter()
 
   print(
@@ -483,7 +488,7 @@ def main(argv: tp.Sequence[str] | None = None) -> dict[str, tp.Any]:
       f' {correlation:.3f}'
   )
   print(f'patching maps computed in {done - trained:.1f} s')
-  print(f'figure written to {args.out}')
+  print(f'figure written to {out}')
   return {
       'model': model,
       'prompts': prompts,
@@ -493,7 +498,7 @@ def main(argv: tp.Sequence[str] | None = None) -> dict[str, tp.Any]:
       'correlation': correlation,
       'clean_diff': float(maps['clean_diff']),
       'corrupted_diff': float(maps['corrupted_diff']),
-      'out': args.out,
+      'out': out,
   }
 
 

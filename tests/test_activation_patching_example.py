@@ -115,13 +115,16 @@ class ExampleRunTest(absltest.TestCase):
 
   def test_quick_run(self):
     self.example = load_example()
-    with tempfile.TemporaryDirectory() as tmp:
-      self.out = pathlib.Path(tmp) / 'maps.png'
+    with tempfile.TemporaryDirectory() as tmp, contextlib.chdir(tmp):
+      # No --out: the figure goes to activation_patching.png in the current
+      # directory, as for the other examples.
+      self.out = pathlib.Path.cwd() / 'activation_patching.png'
       stdout = io.StringIO()
       with contextlib.redirect_stdout(stdout):
         self.result = self.example.main(
-            ['--quick', '--seed=0', f'--out={self.out}', '--no-progress']
+            ['--quick', '--seed=0', '--no-progress']
         )
+      self.assertEqual(self.result['out'], str(self.out))
       self.printed = stdout.getvalue()
       with self.subTest('png and printed summary'):
         self.check_png_and_printed_summary()
@@ -236,6 +239,11 @@ class ExampleRunTest(absltest.TestCase):
       load_example().parse_args(['--help'])
     for flag in ('--steps', '--quick', '--seed', '--out', '--prompts'):
       self.assertIn(flag, stdout.getvalue())
+
+  def test_figure_defaults_to_the_current_directory(self):
+    example = load_example()
+    self.assertEqual(example.parse_args([]).out, 'activation_patching.png')
+    self.assertEqual(example.parse_args(['--out', 'a/b.png']).out, 'a/b.png')
 
 
 if __name__ == '__main__':

@@ -955,6 +955,33 @@ class ErrorTest(parameterized.TestCase):
     with self.assertRaises(TypeError):
       capture(lambda x: sow(x, name='r', **kwargs))(jnp.ones(2))
 
+  @parameterized.product(
+      arg=['reduce_fn', 'init_fn'],
+      wrap=['eager', 'capture', 'jit_capture', 'capture_grad'],
+  )
+  def test_reduce_fn_and_init_fn_must_be_callable(self, arg, wrap):
+    kwargs = {'reduce_fn': lambda a, v: a + v, 'init_fn': lambda: 0.0}
+    kwargs[arg] = 3
+
+    def f(x):
+      return jnp.sum(sow(x, name=('block', 0, 'r'), **kwargs))
+
+    run = {
+        'eager': f,
+        'capture': capture(f),
+        'jit_capture': jax.jit(capture(f)),
+        'capture_grad': capture(jax.grad(f)),
+    }[wrap]
+    expected = {
+        'reduce_fn': 'reduce_fn(acc, value) -> acc, got 3 of type int',
+        'init_fn': 'init_fn() -> acc, got 3 of type int',
+    }[arg]
+    with self.assertRaises(TypeError) as cm:
+      run(jnp.ones(2))
+    message = str(cm.exception)
+    self.assertStartsWith(message, f"sow ('block', 0, 'r'): {arg} must be")
+    self.assertIn(expected, message)
+
   @parameterized.named_parameters(
       ('jit_capture', lambda f: jax.jit(capture(f))),
       ('capture', capture),

@@ -105,6 +105,8 @@ class ExampleRunTest(absltest.TestCase):
     self.assertIn(f'figure written to {out}', printed)
     self.assertIn('test accuracy: ', printed)
     self.assertIn('dead units per device: ', printed)
+    self.assertEqual(result['out'], str(out))
+    self.assertIn('training loop: 4 steps in ', printed)
 
     history = result['history']
     steps = 128 // 32
@@ -129,6 +131,11 @@ class ExampleRunTest(absltest.TestCase):
       example.parse_args(['--help'])
     for flag in ('--epochs', '--seed', '--out', '--limit', '--batch-size'):
       self.assertIn(flag, stdout.getvalue())
+
+  def test_figure_defaults_to_the_current_directory(self):
+    example = load_example()
+    self.assertEqual(example.parse_args([]).out, 'data_parallel.png')
+    self.assertEqual(example.parse_args(['--out', 'a/b.png']).out, 'a/b.png')
 
 
 class ExampleStatisticsTest(absltest.TestCase):

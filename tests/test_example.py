@@ -100,6 +100,10 @@ class ExampleRunTest(absltest.TestCase):
     printed = stdout.getvalue()
     self.assertIn('test accuracy: ', printed)
     self.assertIn(f'figure written to {out}', printed)
+    self.assertEqual(result['out'], str(out))
+    # What is timed is said: the training loop, apart from the whole run.
+    self.assertIn('training loop: 5 steps in ', printed)
+    self.assertIn('which compiles train_step', printed)
 
     history = result['history']
     steps = 160 // 32
@@ -125,6 +129,12 @@ class ExampleRunTest(absltest.TestCase):
       example.parse_args(['--help'])
     for flag in ('--epochs', '--seed', '--out', '--limit'):
       self.assertIn(flag, stdout.getvalue())
+
+  def test_figure_defaults_to_the_current_directory(self):
+    # The rule all three examples share: <example name>.png, here.
+    example = load_example()
+    self.assertEqual(example.parse_args([]).out, 'train_digits.png')
+    self.assertEqual(example.parse_args(['--out', 'a/b.png']).out, 'a/b.png')
 
 
 class ExampleStatisticsTest(absltest.TestCase):

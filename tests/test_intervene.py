@@ -441,6 +441,58 @@ class LoopTest(parameterized.TestCase):
 
     assert_close(intervene(f, {'h': (self.RS,)})(XS), np.sin(self.RS))
 
+  @parameterized.named_parameters(
+      ('remainder', 3), ('divides', 2), ('one_batch', 4)
+  )
+  def test_lax_map_batch_size(self, k):
+    def f(xs):
+      return jax.lax.map(
+          lambda x: jnp.sin(sow(x * 2.0, name='h')), xs, batch_size=k
+      )
+
+    # capture returns what ran: (n // k, k) from the scan over vmap, then
+    # (n % k,) from the vmap over the rows left over.
+    n = len(XS)
+    expected = [(2.0 * XS[: n // k * k]).reshape(n // k, k)]
+    if n % k:
+      expected.append(2.0 * XS[n // k * k :])
+    for run in (capture(f), jax.jit(capture(f))):
+      out, collected = run(XS)
+      assert_close(out, np.sin(2.0 * XS))
+      self.assertEqual(list(collected), ['h'])
+      assert_close(collected['h'], tuple(expected))
+
+    # intervene refuses that layout as arrays, naming what the user wrote.
+    for g in (
+        intervene(f, collected),
+        jax.jit(intervene(f, collected)),
+        intervene(jax.jit(f), collected),
+    ):
+      with self.assertRaises(ValueError) as cm:
+        g(XS)
+      message = str(cm.exception)
+      self.assertIn("sow 'h'", message)
+      self.assertIn('`lax.map(..., batch_size=...)`', message)
+      self.assertNotIn('`lax.scan` under `jax.vmap`', message)
+    # A callable replaces every row; without batch_size the arrays work.
+    assert_close(
+        intervene(f, {'h': lambda v: v + 1.0})(XS), np.sin(2.0 * XS + 1.0)
+    )
+    unbatched = lambda xs: jax.lax.map(lambda x: sow(x, name='h') * 3.0, xs)
+    assert_close(intervene(unbatched, {'h': (self.RS,)})(XS), 3.0 * self.RS)
+
+  def test_scan_over_vmap_written_out_keeps_its_message(self):
+    def f(xss):
+      body = jax.vmap(lambda x: sow(x * 2.0, name='h'))
+      return jax.lax.scan(lambda c, xs: (c, body(xs)), 0.0, xss)[1]
+
+    xss = XS.reshape(2, 2)
+    _, collected = capture(f)(xss)
+    with self.assertRaisesRegex(
+        ValueError, r"sow 'h' .*`lax.scan` under `jax.vmap`.*callable"
+    ):
+      intervene(f, collected)(xss)
+
   def test_nested_scans(self):
     def f(xs, ys):
       def outer(c, x):

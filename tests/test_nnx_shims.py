@@ -540,6 +540,41 @@ class StateConversionTest(absltest.TestCase):
     with self.assertRaisesRegex(TypeError, 'str or a non-empty tuple'):
       state_lib.collected_to_state({3.5: 1.0})
 
+  def test_variable_type_not_a_variable(self):
+    for bad in (int, 3):
+      with self.assertRaises(TypeError) as cm:
+        state_lib.collected_to_state({'a': (1.0,)}, variable_type=bad)
+      self.assertEqual(
+          str(cm.exception),
+          "collected_to_state: variable_type (used to wrap 'a') must be a"
+          ' subclass of nnx.Variable (e.g. nnx.Intermediate) or a function'
+          f' name -> Variable subclass, got {bad!r}.',
+      )
+
+  def test_flatten_names_bad_arguments(self):
+    with self.assertRaises(TypeError) as cm:
+      state_lib.flatten_names([1, 2])
+    self.assertEqual(
+        str(cm.exception),
+        'flatten_names: collected must be the dict a capture returns (name'
+        ' -> value), got a list.',
+    )
+    with self.assertRaisesRegex(TypeError, 'flatten_names: sep must be a str'):
+      state_lib.flatten_names({'a': 1.0}, sep=0)
+
+  def test_flatten_names_keeps_the_cotangent_mark(self):
+    def loss(x):
+      h = flax.nnx.sow.sow(jnp.sin(x), name=('block', 0, 'h'))
+      h = flax.nnx.sow.perturb(h, name=('block', 0, 'dh'))
+      return jnp.sum(h**2)
+
+    x = jnp.asarray([0.5, -1.0])
+    _, collected = flax.nnx.sow.capture(jax.grad(loss))(x)
+    flat = state_lib.flatten_names(collected)
+    self.assertEqual(list(flat), ['block/0/h', 'block/0/dh'])
+    self.assertEqual(flat.cotangents, frozenset({'block/0/dh'}))
+    close(flat['block/0/dh'][0], 2 * np.sin(np.asarray(x)))
+
 
 if __name__ == '__main__':
   absltest.main()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import typing as tp
 
 import jax
@@ -108,6 +109,39 @@ def jit_disabled() -> bool:
 def summarize_source(source_info) -> str:
   """``file:line:column (function)`` of the user's frame in ``source_info``."""
   return source_info_util.summarize(source_info)
+
+
+def traced_under_lax_map_batch(source_info) -> bool:
+  """Whether an equation was staged under ``lax.map(..., batch_size=k)``.
+
+  That is, by the ``jax.vmap(f)`` in the body of its ``lax.scan``. ``lax.map`` with ``batch_size`` scans over ``jax.vmap(f)``; the staged
+  program is the same as a ``lax.scan`` the user wrote around a vmap, so this
+  reads the Python frames recorded when the equation was staged: the frame
+  inside ``lax.map``'s scan body (a lambda in ``lax/control_flow/loops.py``)
+  calls ``jax.vmap``'s wrapper directly. ``False`` when the frames are not
+  recorded or JAX lays them out differently.
+  """
+  traceback = getattr(source_info, 'traceback', None)
+  if traceback is None:
+    return False
+  frames = traceback.frames  # innermost first
+  loops_file = os.path.join('lax', 'control_flow', 'loops.py')
+  api_file = os.path.join('jax', '_src', 'api.py')
+  for i, frame in enumerate(frames):
+    if frame.file_name.endswith(loops_file) and frame.function_name in (
+        'map.<locals>.<lambda>',
+        '<lambda>',
+    ):
+      callee = [
+          f for f in frames[:i] if not f.file_name.endswith('traceback_util.py')
+      ]
+      if (
+          callee
+          and callee[-1].file_name.endswith(api_file)
+          and 'vmap' in callee[-1].function_name
+      ):
+        return True
+  return False
 
 
 def exclude_from_source_info(path: str) -> None:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import threading
 import typing as tp
 import weakref
@@ -750,7 +751,8 @@ class Collected(dict):
   ``str`` and tuple names and would reorder names under ``jax.jit``; this
   subclass flattens in the order of first sow. ``cotangents`` names the
   entries that are ``perturb`` cotangents (so ``intervene`` does not patch
-  a gradient in as a value).
+  a gradient in as a value). It is registered with ``jax.export``, so an
+  exported capture serializes; its keys and the mark survive the round trip.
   """
 
   cotangents: frozenset = frozenset()
@@ -771,6 +773,59 @@ def _unflatten_collected(aux, values):
 
 jax.tree_util.register_pytree_with_keys(
     Collected, _flatten_collected, _unflatten_collected
+)
+
+
+def _name_to_json(name: tp.Any) -> tp.Any:
+  if isinstance(name, str):
+    return name
+  if (
+      isinstance(name, tuple)
+      and name
+      and all(
+          isinstance(p, str) or (isinstance(p, int) and not isinstance(p, bool))
+          for p in name
+      )
+  ):
+    return list(name)
+  raise TypeError(
+      f'jax.export: cannot serialize a Collected with the key {name!r} of'
+      f' type {type(name).__name__}; only sow names (a str or a tuple of'
+      ' str/int) serialize. Rename the entry, or return a plain dict.'
+  )
+
+
+def _name_from_json(name: tp.Any) -> Name:
+  return name if isinstance(name, str) else tuple(name)
+
+
+def _serialize_collected_aux(aux) -> bytes:
+  keys, cotangents = aux
+  # The cotangent names in key order, so equal aux data give equal bytes.
+  marked = [k for k in keys if k in cotangents]
+  marked += sorted((k for k in cotangents if k not in keys), key=repr)
+  return json.dumps(
+      {
+          'keys': [_name_to_json(k) for k in keys],
+          'cotangents': [_name_to_json(k) for k in marked],
+      }
+  ).encode('utf-8')
+
+
+def _deserialize_collected_aux(data: bytes):
+  aux = json.loads(data.decode('utf-8'))
+  keys = tuple(_name_from_json(k) for k in aux['keys'])
+  return keys, frozenset(_name_from_json(k) for k in aux['cotangents'])
+
+
+# ``jax.export``'s ``Exported.serialize`` writes the in and out trees of the
+# exported function; a capture returns a Collected, so it must be known there
+# (with its key order and its cotangent mark).
+jax.export.register_pytree_node_serialization(
+    Collected,
+    serialized_name='flax.nnx.sow.Collected',
+    serialize_auxdata=_serialize_collected_aux,
+    deserialize_auxdata=_deserialize_collected_aux,
 )
 
 

@@ -195,6 +195,17 @@ class Injector:
           and isinstance(self.values[s.name], Entries)
           and p['batch_dims']
       ):
+        if _jax.traced_under_lax_map_batch(s.eqn.source_info):
+          raise ValueError(
+              f'intervene: sow {s.name!r}{s.where} is inside'
+              ' `lax.map(..., batch_size=...)`, which scans over batches of'
+              ' the mapped function under `jax.vmap`; capture returns its'
+              ' values as an entry (n_batches, batch_size, ...), then one'
+              ' (n % batch_size, ...) for the remainder, and intervene cannot'
+              ' lay an array replacement out over that. Pass a callable'
+              ' (values[name] = fn, applied per example), or drop batch_size'
+              ' (one entry stacked (n, ...), which intervene accepts).'
+          )
         raise ValueError(
             f'intervene: sow {s.name!r}{s.where} is inside {construct} under'
             ' `jax.vmap`, where an array replacement cannot be laid out'

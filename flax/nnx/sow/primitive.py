@@ -496,8 +496,8 @@ def sow(
 
   Raises:
     TypeError: if ``name`` is not a str or a tuple of str/int, if a leaf is
-      not an array or a scalar, if ``tag`` is not hashable, or if only one of
-      ``reduce_fn``/``init_fn`` is given.
+      not an array or a scalar, if ``tag`` is not hashable, if only one of
+      ``reduce_fn``/``init_fn`` is given, or if either is not callable.
   """
   name = check_name(name)
   check_tag(tag, name)
@@ -506,6 +506,17 @@ def sow(
         f'sow {name!r}: reduce_fn and init_fn go together; pass both to'
         ' reduce the sown values into one accumulator, or neither to collect'
         ' every value.'
+    )
+  if reduce_fn is not None and not callable(reduce_fn):
+    raise TypeError(
+        f'sow {name!r}: reduce_fn must be a function reduce_fn(acc, value)'
+        f' -> acc, got {reduce_fn!r} of type {type(reduce_fn).__name__}.'
+    )
+  if init_fn is not None and not callable(init_fn):
+    raise TypeError(
+        f'sow {name!r}: init_fn must be a function init_fn() -> acc, got'
+        f' {init_fn!r} of type {type(init_fn).__name__}; for a constant'
+        f' start write init_fn=lambda: {init_fn!r}.'
     )
   leaves, treedef = array_leaves(value, name)
   if is_eager():

@@ -61,7 +61,7 @@ def name_to_path(name: Name) -> tuple[tp.Union[str, int], ...]:
 def _variable_type(spec: TypeSpec, name: Name) -> VariableType:
   if isinstance(spec, type) and issubclass(spec, nnx.Variable):
     return spec
-  if callable(spec):
+  if callable(spec) and not isinstance(spec, type):
     vt = spec(name)
     if isinstance(vt, type) and issubclass(vt, nnx.Variable):
       return vt
@@ -70,8 +70,9 @@ def _variable_type(spec: TypeSpec, name: Name) -> VariableType:
         f' {name!r}; it must return a subclass of nnx.Variable.'
     )
   raise TypeError(
-      'collected_to_state: variable_type must be a subclass of nnx.Variable'
-      f' (e.g. nnx.Intermediate) or a function of the name, got {spec!r}.'
+      f'collected_to_state: variable_type (used to wrap {name!r}) must be a'
+      ' subclass of nnx.Variable (e.g. nnx.Intermediate) or a function'
+      f' name -> Variable subclass, got {spec!r}.'
   )
 
 
@@ -224,14 +225,26 @@ def flatten_names(
     sep: the separator between the parts of a path.
 
   Returns:
-    A ``Collected`` dict with the same values, keyed by strings; the names
-    marked as ``perturb`` cotangents (``Collected.cotangents``) stay marked.
+    A ``Collected`` dict with the same values, keyed by strings; names
+    marked as ``perturb`` cotangents stay marked (``cotangents``).
 
   Raises:
+    TypeError: if ``collected`` is not a mapping, or ``sep`` is not a str.
     ValueError: if two names give the same string (``'a/b'`` and
       ``('a', 'b')``).
   """
+  if not isinstance(collected, tp.Mapping):
+    raise TypeError(
+        'flatten_names: collected must be the dict a capture returns (name'
+        f' -> value), got a {type(collected).__name__}.'
+    )
+  if not isinstance(sep, str):
+    raise TypeError(
+        f'flatten_names: sep must be a str, got {sep!r} of type'
+        f' {type(sep).__name__}.'
+    )
   out = Collected()
+  marked = getattr(collected, 'cotangents', frozenset())
   for name, value in collected.items():
     key = sep.join(str(p) for p in name_to_path(name))
     if key in out:
@@ -240,10 +253,6 @@ def flatten_names(
           f' {key!r}; rename one of them or choose another sep.'
       )
     out[key] = value
-  # The names that hold perturb cotangents keep that mark, under their new
-  # keys (intervene refuses them as values).
-  marked = getattr(collected, 'cotangents', frozenset())
-  out.cotangents = frozenset(
-      sep.join(str(p) for p in name_to_path(n)) for n in marked
-  )
+    if name in marked:
+      out.cotangents = out.cotangents | {key}
   return out

@@ -33,6 +33,13 @@ import subprocess
 import sys
 
 from absl.testing import absltest
+from absl.testing import parameterized
+import jax
+import jax.extend.core as jex
+import jax.numpy as jnp
+import numpy as np
+
+from flax.nnx.sow import sow
 
 HERE = pathlib.Path(__file__).resolve().parent
 PROGRAMS = HERE / 'import_invariance_programs.py'
@@ -142,6 +149,90 @@ class ImportInvarianceTest(absltest.TestCase):
         for name in changed
     ]
     self.assertEmpty(changed, msg='\n'.join(diffs))
+
+
+def _primitive_tree(jaxpr: jex.Jaxpr) -> list:
+  """The primitives of ``jaxpr``'s equations, sub-jaxprs nested; sows left
+  out."""
+  tree = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == 'sow':
+      continue
+    subs = []
+    for value in eqn.params.values():
+      for v in value if isinstance(value, tuple) else (value,):
+        if isinstance(v, jex.ClosedJaxpr):
+          subs.append(_primitive_tree(v.jaxpr))
+        elif isinstance(v, jex.Jaxpr):
+          subs.append(_primitive_tree(v))
+    tree.append((eqn.primitive.name, subs))
+  return tree
+
+
+def _count_sows(jaxpr: jex.Jaxpr) -> int:
+  n = 0
+  for eqn in jaxpr.eqns:
+    n += eqn.primitive.name == 'sow'
+    for value in eqn.params.values():
+      for v in value if isinstance(value, tuple) else (value,):
+        if isinstance(v, jex.ClosedJaxpr):
+          n += _count_sows(v.jaxpr)
+        elif isinstance(v, jex.Jaxpr):
+          n += _count_sows(v)
+  return n
+
+
+def _scan_program(with_sow: bool):
+  def f(x):
+    def body(c, y):
+      h = jnp.sin(c * y)
+      if with_sow:
+        sow(h, name='h')
+      return c + h, 2.0 * h
+
+    return jax.lax.scan(body, x, jnp.arange(3.0))
+
+  return jax.vmap(f)
+
+
+def _cond_program(with_sow: bool):
+  def f(x):
+    def positive(x):
+      h = jnp.sin(x)
+      return sow(h, name='h') if with_sow else h
+
+    def negative(x):
+      h = jnp.cos(x)
+      return sow(h, name='h') if with_sow else h
+
+    return jax.lax.cond(x.sum() > 0, positive, negative, x)
+
+  return jax.vmap(f)
+
+
+class OutsideCaptureTest(parameterized.TestCase):
+  """Outside a capture nothing can collect a sow: under ``jax.vmap``,
+  ``scan`` and ``cond`` are batched by JAX's own rules, the sows staying
+  where they are, as identities."""
+
+  @parameterized.parameters('scan', 'cond')
+  def test_vmap_batches_as_jax_does(self, construct):
+    program = {'scan': _scan_program, 'cond': _cond_program}[construct]
+    x = jnp.array([[0.5, -1.0, 2.0], [-0.5, -0.25, -3.0]])
+    with_sow = jax.make_jaxpr(program(True))(x)
+    plain = jax.make_jaxpr(program(False))(x)
+    # The same equations as the program without sows, nested alike; the
+    # sows are still inside the loop body or the branches.
+    self.assertEqual(
+        _primitive_tree(with_sow.jaxpr), _primitive_tree(plain.jaxpr)
+    )
+    self.assertEqual(
+        _count_sows(with_sow.jaxpr), {'scan': 1, 'cond': 2}[construct]
+    )
+    for got, want in zip(
+        jax.tree.leaves(program(True)(x)), jax.tree.leaves(program(False)(x))
+    ):
+      np.testing.assert_array_equal(got, want)
 
 
 if __name__ == '__main__':

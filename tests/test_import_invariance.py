@@ -47,7 +47,7 @@ TIMEOUT_S = 300
 
 sys.path.insert(0, str(HERE))
 try:
-  import import_invariance_programs as corpus  # pylint: disable=g-import-not-at-top
+  import import_invariance_programs as corpus  # noqa: E402
 finally:
   sys.path.remove(str(HERE))
 

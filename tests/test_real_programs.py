@@ -293,6 +293,42 @@ def _transforms(loss, xs):
   }
 
 
+def _halving(kind):
+  """``y -> sin(y) / 2`` as a custom-derivative function that sows ``y`` (the
+  sum of its values, and a count), and the same function without sows."""
+
+  def body(y, sowing):
+    if sowing:
+      sow(
+          y.sum(),
+          name='y',
+          reduce_fn=lambda a, b: a + b,
+          init_fn=lambda: jnp.float32(0),
+      )
+      sow(
+          y,
+          name='n',
+          reduce_fn=lambda a, b: a + 1,
+          init_fn=lambda: jnp.int32(0),
+      )
+    return jnp.sin(y) * 0.5
+
+  def make(sowing):
+    if kind == 'custom_jvp_jit_inside':
+      inner = jax.jit(lambda y: body(y, sowing))
+    else:
+      inner = lambda y: body(y, sowing)
+    if kind == 'custom_vjp':
+      h = jax.custom_vjp(inner)
+      h.defvjp(lambda y: (h(y), y), lambda y, g: (0.5 * jnp.cos(y) * g,))
+    else:
+      h = jax.custom_jvp(inner)
+      h.defjvp(lambda p, t: (h(*p), 0.5 * jnp.cos(p[0]) * t[0]))
+    return h
+
+  return make(True), make(False)
+
+
 class InvarianceTest(parameterized.TestCase):
 
   @parameterized.parameters(*_transforms(_loss_invariant, None))
@@ -377,6 +413,74 @@ class InvarianceTest(parameterized.TestCase):
     grad, collected = capture(jax.grad(jax.checkpoint(f, policy=policy)))(x)
     np.testing.assert_allclose(grad, x / 8.0)  # y = x / 8, not differentiated
     self.assertEqual(int(collected['n']), 3)
+
+  @parameterized.product(
+      kind=['custom_jvp', 'custom_vjp', 'custom_jvp_jit_inside'],
+      policy=[None, 'dots_saveable'],
+      transform=['grad', 'jit_grad'],
+  )
+  def test_custom_call_in_while_under_checkpoint_collects_once(
+      self, kind, policy, transform
+  ):
+    # JAX would save the outputs of the custom call, which a while body
+    # cannot: it is recomputed, and only the forward loop collects.
+    halve, plain_halve = _halving(kind)
+    policy = policy and getattr(jax.checkpoint_policies, policy)
+
+    def loop(x, h):
+      y = jax.lax.while_loop(
+          lambda c: c[0] < 3,
+          lambda c: (c[0] + 1, h(c[1])),
+          (0, jax.lax.stop_gradient(x)),
+      )[1]
+      return jnp.sum(jnp.sin(x) * y)
+
+    f = jax.checkpoint(lambda x: loop(x, halve), policy=policy)
+    g = jax.grad(f)
+    if transform == 'jit_grad':
+      g = jax.jit(g)
+    x = jnp.array([1.0, 2.0])
+    grad, collected = capture(g)(x)
+    self.assertEqual(list(collected), ['y', 'n'])
+    y0, y1, y2 = x, np.sin(x) * 0.5, np.sin(np.sin(x) * 0.5) * 0.5
+    np.testing.assert_allclose(collected['y'], np.sum(y0 + y1 + y2), rtol=1e-6)
+    self.assertEqual(int(collected['n']), 3)
+    want = jax.grad(lambda x: loop(x, plain_halve))(x)
+    np.testing.assert_allclose(grad, want, rtol=1e-6)
+    y3 = np.sin(y2) * 0.5
+    np.testing.assert_allclose(grad, np.cos(x) * y3, rtol=1e-6)
+
+  @parameterized.parameters('custom_jvp', 'custom_jvp_jit_inside')
+  def test_custom_call_in_while_under_linearize_of_checkpoint(self, kind):
+    # The carry depends on x: JAX splits the loop into the known primal
+    # loop and a staged loop that recomputes it with the tangents.
+    halve, plain_halve = _halving(kind)
+
+    def loop(x, h):
+      return jax.lax.while_loop(
+          lambda c: c[0] < 2, lambda c: (c[0] + 1, h(c[1])), (0, x)
+      )[1]
+
+    x = jnp.array([0.5, -1.0])
+    t = jnp.array([1.0, 2.0])
+
+    def linearized(x):
+      out, lin = jax.linearize(jax.checkpoint(lambda x: loop(x, halve)), x)
+      return out, lin(t), lin(2.0 * t)  # evaluated twice: no new entries
+
+    (out, tangent, tangent2), collected = capture(linearized)(x)
+    self.assertEqual(list(collected), ['y', 'n'])
+    y1 = np.sin(x) * 0.5
+    np.testing.assert_allclose(collected['y'], np.sum(x + y1), rtol=1e-6)
+    self.assertEqual(int(collected['n']), 2)
+    want_out, want = jax.linearize(lambda x: loop(x, plain_halve), x)
+    np.testing.assert_allclose(out, want_out, rtol=1e-6)
+    np.testing.assert_allclose(out, np.sin(y1) * 0.5, rtol=1e-6)
+    np.testing.assert_allclose(tangent, want(t), rtol=1e-6)
+    np.testing.assert_allclose(
+        tangent, 0.25 * np.cos(y1) * np.cos(x) * t, rtol=1e-6
+    )
+    np.testing.assert_allclose(tangent2, 2.0 * want(t), rtol=1e-6)
 
   @parameterized.parameters('grad', 'value_and_grad', 'jit_grad')
   def test_checkpointed_scan_step(self, transform):

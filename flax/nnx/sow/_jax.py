@@ -446,18 +446,6 @@ def wrap_rule(registry: dict, primitive: Primitive, wrapper: tp.Callable):
   registry[primitive] = rule
 
 
-def remat_recomputes(saveable: tp.Callable, eqn: JaxprEqn) -> bool:
-  """Whether a ``checkpoint`` policy recomputes a known ``eqn`` (JAX's
-  default for an equation with no partial-evaluation rule)."""
-  not_really = (core.NamedAxisEffect, core.InternalMutableArrayEffect)
-  if any(not isinstance(e, not_really) for e in eqn.effects):
-    return False
-  policy = pe.ensure_enum(
-      saveable(eqn.primitive, *[x.aval for x in eqn.invars], **eqn.params)
-  )
-  return isinstance(policy, pe.RecomputeType)
-
-
 custom_partial_eval_rules = pe.custom_partial_eval_rules
 
 

@@ -23,8 +23,9 @@ it first hoists them out (rewriting the body so the sown values become extra
 outputs, stacked ``ys`` for a scan), lets JAX's rule batch that, and sows the
 results again after the construct, with the mapped axis first. An enclosing
 capture then sees one sow per site, of the selected branch's value, shaped
-``(batch, steps, ...)`` like vmap's outputs. Outside any capture the result
-is still the identity. Reduced sows are left where they are.
+``(batch, steps, ...)`` like vmap's outputs. Reduced sows are left where
+they are. Where no capture is staging (nothing could collect a sow), and for
+a construct without sows, JAX's rule runs unchanged.
 """
 
 from __future__ import annotations
@@ -102,7 +103,8 @@ _NO_LEAVES = jax.tree_util.tree_structure(())
 
 def _scan_batcher(jax_rule, axis_data, args, dims, **params):
   body = params['jaxpr']
-  if intervening() or not _has_plain_sows(body):
+  if intervening() or not staging_captures() or not _has_plain_sows(body):
+    # Nothing a capture could collect: JAX's rule, unchanged.
     return jax_rule(axis_data, args, dims, **params)
   # [consts, carry, xs] -> [carry, ys, entries]: the entries are extra ys.
   new_body, layout = rewrite_jaxpr(body, PLAIN_SOWS, ())
@@ -121,7 +123,13 @@ def _cond_batcher(jax_rule, axis_data, args, dims, *, branches, **params):
   key = intervening()
   if key is not None and dims[0] is not None:
     _check_no_array_replacement(key, branches)
-  if dims[0] is None or key is not None:
+  if (
+      dims[0] is None
+      or key is not None
+      or not staging_captures()
+      or not any(sow_sites(b.jaxpr) for b in branches)
+  ):
+    # Nothing a capture could collect: JAX's rule, unchanged.
     return jax_rule(axis_data, args, dims, branches=branches, **params)
   # A batched predicate: vmap runs every branch for every example and
   # selects. Reduced sows are taken out first, each with a mask of the

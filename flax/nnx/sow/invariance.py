@@ -27,17 +27,24 @@ This file owns the partial-evaluation behaviour of staged sows that keeps
   nesting (a ``jit``, a ``custom_jvp`` or a ``cond`` in the body), while its
   consumers read the operands, so the invariant work is still hoisted.
 * **The rematerialised copy collects nothing.** ``checkpoint`` recomputes a
-  ``while_loop`` or a ``custom_jvp``/``custom_vjp`` call whole; the copy's
-  sows become remat copies, as a bare sow's own rule does.
+  ``while_loop`` whole; the copy's sows become remat copies, as a bare sow's
+  own rule does. A ``custom_jvp``/``custom_vjp`` call that holds a staged sow
+  keeps JAX's default (run once, outputs saved), except in a ``while_loop``
+  body, which cannot save them: there it is recomputed, and only the known
+  loop collects.
 
-Nothing here changes a program that no capture stages.
+Nothing here changes a program that no capture stages: every rule and
+wrapper takes JAX's own path for an equation without a staged sow (no
+partial-evaluation rule is added for ``custom_jvp_call``/``custom_vjp_call``).
 """
 
 from __future__ import annotations
 
 import threading
+import typing as tp
 
 from flax.nnx.sow import _jax
+from flax.nnx.sow.primitive import HIDDEN
 from flax.nnx.sow.primitive import sow_effect
 from flax.nnx.sow.primitive import sow_p
 
@@ -149,6 +156,16 @@ def _holds_staged_sow(jaxpr: _jax.Jaxpr) -> bool:
 # equation again for the recomputation, sows included, so a sow in the body
 # would be collected twice. Where a known loop runs, the staged copy's sows
 # become remat copies (collected nowhere), as ``sow_p``'s own rule does.
+#
+# A ``custom_jvp``/``custom_vjp`` call in the body needs one step more. It has
+# no partial-evaluation rule: JAX's default runs a known effectful equation
+# once and saves its outputs rather than recompute it, which is right for a
+# call holding a staged sow anywhere but in a ``while_loop`` body, which can
+# save nothing (JAX's rule asserts it has no residual). So while JAX's rule
+# runs, the staged sows in such calls are hidden (``remat_copy=HIDDEN``: no
+# effect, collected by nothing) and JAX recomputes the calls as pure
+# equations; in the known loop it returns they collect again, and in the
+# staged one they are remat copies, so each is collected once.
 
 
 def without_staged_sows(closed: _jax.ClosedJaxpr) -> _jax.ClosedJaxpr:
@@ -160,45 +177,115 @@ def without_staged_sows(closed: _jax.ClosedJaxpr) -> _jax.ClosedJaxpr:
 
 
 def _as_remat_copies(jaxpr: _jax.Jaxpr) -> _jax.Jaxpr:
-  eqns = [_remat_copy_eqn(eqn) for eqn in jaxpr.eqns]
-  return _jax.edit_jaxpr(jaxpr, eqns, jaxpr.outvars)
+  return _edit_sows_in_jaxpr(jaxpr, _to_remat_copy, False)
 
 
 def _remat_copy_eqn(eqn: _jax.JaxprEqn) -> _jax.JaxprEqn:
   """``eqn`` with every staged sow in it (or under it) a remat copy."""
+  return _edit_sows(eqn, _to_remat_copy, False)
+
+
+def _to_remat_copy(params: dict, in_custom_call: bool) -> dict | None:
+  del in_custom_call
+  if params['effect'] and params['remat_copy'] in (False, HIDDEN):
+    return dict(params, remat_copy=True)
+  return None
+
+
+def _hide_in_custom_calls(params: dict, in_custom_call: bool) -> dict | None:
+  if in_custom_call and params['effect'] and not params['remat_copy']:
+    return dict(params, remat_copy=HIDDEN)
+  return None
+
+
+def _unhide(params: dict, in_custom_call: bool) -> dict | None:
+  del in_custom_call
+  if params['remat_copy'] == HIDDEN:
+    return dict(params, remat_copy=False)
+  return None
+
+
+def _edit_sows(
+    eqn: _jax.JaxprEqn, edit: tp.Callable, in_custom_call: bool
+) -> _jax.JaxprEqn:
+  """``eqn`` with ``edit(params, in_custom_call)`` applied to the parameters
+  of every sow in it or under it (``None``: unchanged); effects recomputed.
+
+  ``in_custom_call`` says whether the sow is inside a ``custom_jvp_call`` or
+  ``custom_vjp_call``. Returns ``eqn`` itself if nothing changed.
+  """
   if eqn.primitive is sow_p:
-    if eqn.params['effect'] and not eqn.params['remat_copy']:
-      eqn = eqn.replace(params=dict(eqn.params, remat_copy=True), effects=set())
-  elif any(True for _ in _jax.jaxprs_in_params(eqn.params)):
-    params = {k: _map_jaxprs(v) for k, v in eqn.params.items()}
-    effects = {e for e in eqn.effects if e is not sow_effect}
-    if any(sow_effect in j.effects for j in _jax.jaxprs_in_params(params)):
-      effects.add(sow_effect)
-    eqn = eqn.replace(params=params, effects=effects)
-  return eqn
+    params = edit(eqn.params, in_custom_call)
+    if params is None:
+      return eqn
+    staged = params['effect'] and not params['remat_copy']
+    return eqn.replace(params=params, effects={sow_effect} if staged else set())
+  if not any(True for _ in _jax.jaxprs_in_params(eqn.params)):
+    return eqn
+  in_custom_call = in_custom_call or eqn.primitive in (
+      _jax.custom_jvp_call_p,
+      _jax.custom_vjp_call_p,
+  )
+  params = {
+      k: _edit_sows_in(v, edit, in_custom_call) for k, v in eqn.params.items()
+  }
+  if all(params[k] is v for k, v in eqn.params.items()):
+    return eqn
+  effects = {e for e in eqn.effects if e is not sow_effect}
+  if any(sow_effect in j.effects for j in _jax.jaxprs_in_params(params)):
+    effects.add(sow_effect)
+  return eqn.replace(params=params, effects=effects)
 
 
-def _map_jaxprs(value):
+def _edit_sows_in_jaxpr(
+    jaxpr: _jax.Jaxpr, edit: tp.Callable, in_custom_call: bool
+) -> _jax.Jaxpr:
+  eqns = [_edit_sows(eqn, edit, in_custom_call) for eqn in jaxpr.eqns]
+  if all(new is old for new, old in zip(eqns, jaxpr.eqns)):
+    return jaxpr
+  return _jax.edit_jaxpr(jaxpr, eqns, jaxpr.outvars)
+
+
+def _edit_sows_in(value, edit: tp.Callable, in_custom_call: bool):
+  """A parameter's value, with :func:`_edit_sows` applied to its jaxprs."""
   if isinstance(value, _jax.Jaxpr):
-    return _as_remat_copies(value)
+    return _edit_sows_in_jaxpr(value, edit, in_custom_call)
   if isinstance(value, _jax.ClosedJaxpr):
-    return _jax.ClosedJaxpr(_as_remat_copies(value.jaxpr), value.consts)
+    jaxpr = _edit_sows_in_jaxpr(value.jaxpr, edit, in_custom_call)
+    if jaxpr is value.jaxpr:
+      return value
+    return _jax.ClosedJaxpr(jaxpr, value.consts)
   if isinstance(value, tuple) and any(
       isinstance(v, (_jax.Jaxpr, _jax.ClosedJaxpr)) for v in value
   ):
-    return tuple(_map_jaxprs(v) for v in value)
+    new = tuple(_edit_sows_in(v, edit, in_custom_call) for v in value)
+    if all(n is v for n, v in zip(new, value)):
+      return value
+    return new
   return value
 
 
 def _while_partial_eval_custom(jax_rule, saveable, unks_in, inst_in, eqn):
-  known, staged, *rest = jax_rule(saveable, unks_in, inst_in, eqn)
-  if (
-      known is not None
-      and staged is not None
-      and any(
-          _holds_staged_sow(j) for j in _jax.jaxprs_in_params(staged.params)
-      )
-  ):
+  hidden = _edit_sows(eqn, _hide_in_custom_calls, False)
+  if hidden is eqn:
+    # No custom call with a staged sow in the loop: JAX's rule, then the
+    # staged copy's sows become remat copies.
+    known, staged, *rest = jax_rule(saveable, unks_in, inst_in, eqn)
+    if (
+        known is not None
+        and staged is not None
+        and any(
+            _holds_staged_sow(j) for j in _jax.jaxprs_in_params(staged.params)
+        )
+    ):
+      staged = _remat_copy_eqn(staged)
+    return (known, staged, *rest)
+  known, staged, *rest = jax_rule(saveable, unks_in, inst_in, hidden)
+  if known is None:
+    # JAX stages the whole loop (it runs once, later): it collects there.
+    return (known, None if staged is None else eqn, *rest)
+  known = _edit_sows(known, _unhide, False)
+  if staged is not None:
     staged = _remat_copy_eqn(staged)
   return (known, staged, *rest)
 
@@ -269,39 +356,3 @@ def _while_partial_eval(jax_rule, trace, *tracers, **params):
 _jax.wrap_rule(
     _jax.custom_partial_eval_rules, _jax.while_p, _while_partial_eval
 )
-
-
-# ----------------------------------------------------------------------------
-# custom_jvp / custom_vjp under remat: collected once, recomputed freely.
-#
-# JAX has no partial-evaluation rule for these under ``checkpoint``; its
-# default saves the outputs of a known effectful equation as residuals, which
-# a ``while_loop`` body cannot have (``_while_partial_eval_custom`` asserts
-# it). A sow inside makes the equation effectful only to be collected, so
-# the known equation runs (and collects) once and the recomputation uses a
-# copy whose sows are remat copies, as for a bare sow. Equations without a
-# staged sow get JAX's default behaviour.
-
-
-def _custom_call_partial_eval_custom(saveable, unks_in, inst_in, eqn):
-  n = len(eqn.outvars)
-  res = [
-      v
-      for v, inst in zip(eqn.invars, inst_in)
-      if isinstance(v, _jax.Var) and not inst
-  ]
-  if any(unks_in):
-    return None, eqn, [True] * n, [True] * n, res
-  if sow_effect in eqn.effects:
-    copy = _remat_copy_eqn(eqn)
-    if _jax.remat_recomputes(saveable, copy):
-      return eqn, copy, [False] * n, [True] * n, res
-  elif _jax.remat_recomputes(saveable, eqn):
-    return eqn, eqn, [False] * n, [True] * n, res
-  return eqn, None, [False] * n, [False] * n, []
-
-
-for _primitive in (_jax.custom_jvp_call_p, _jax.custom_vjp_call_p):
-  _jax.partial_eval_jaxpr_custom_rules.setdefault(
-      _primitive, _custom_call_partial_eval_custom
-  )

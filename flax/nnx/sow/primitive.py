@@ -87,9 +87,14 @@ sow_p.multiple_results = True
 # * ``remat_copy``: the copy of a sow that partial evaluation leaves in a
 #   rematerialised (recomputed) program: an identity without effect that no
 #   capture collects, so a sow inside ``jax.checkpoint`` is collected once
-#   and does not force its value to be saved as a residual.
+#   and does not force its value to be saved as a residual. ``HIDDEN``
+#   (``'hidden'``, truthy, so every reader treats it as a copy) marks a
+#   staged sow hidden for the duration of one partial-evaluation rule of
+#   ``while`` (``invariance.py``), which then makes it collecting again or a
+#   copy; no jaxpr outside that rule holds it.
 
 MARKER_KINDS = ('perturb', 'order')
+HIDDEN = 'hidden'  # a ``remat_copy`` value, see above
 
 _STAGING = jax.make_user_context(())
 

@@ -1,0 +1,239 @@
+# Copyright 2026 The Flax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""Importing ``flax.nnx.sow`` changes no program that holds no sow.
+
+The package installs rules and wrappers into JAX when it is imported
+(partial-evaluation rules, batching wrappers, ...). Each must take JAX's own
+path for an equation with no sow a capture is staging. This test stages the
+sow-free programs of ``import_invariance_programs.py`` in two fresh
+interpreters, one that imports ``flax.nnx.sow`` first and one that never
+imports it, and compares the jaxprs as text.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import jax
+import jax.extend.core as jex
+import jax.numpy as jnp
+import numpy as np
+
+from flax.nnx.sow import sow
+
+HERE = pathlib.Path(__file__).resolve().parent
+PROGRAMS = HERE / 'import_invariance_programs.py'
+TIMEOUT_S = 300
+
+sys.path.insert(0, str(HERE))
+try:
+  import import_invariance_programs as corpus  # noqa: E402
+finally:
+  sys.path.remove(str(HERE))
+
+
+def _stage_in_fresh_interpreters() -> tuple[dict, dict]:
+  """The reports of the corpus run without and with ``flax.nnx.sow``."""
+  env = dict(os.environ)  # XLA_FLAGS asks for 8 devices (conftest.py)
+  env['JAX_PLATFORMS'] = 'cpu'
+  procs = [
+      subprocess.Popen(
+          [sys.executable, str(PROGRAMS), *flags],
+          env=env,
+          stdout=subprocess.PIPE,
+          stderr=subprocess.PIPE,
+          text=True,
+          cwd=str(HERE),
+      )
+      for flags in ((), ('--import-sow',))
+  ]
+  try:
+    outputs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
+  finally:
+    for p in procs:  # never leave a process behind
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  reports = []
+  for p, (out, err) in zip(procs, outputs):
+    if p.returncode != 0:
+      raise AssertionError(
+          f'{" ".join(p.args)} exited with {p.returncode}:\n{out}\n{err}'
+      )
+    lines = [l for l in out.splitlines() if l.startswith('RESULT ')]
+    if len(lines) != 1:
+      raise AssertionError(f'no single RESULT line:\n{out}\n{err}')
+    reports.append(json.loads(lines[0][len('RESULT ') :]))
+  return reports[0], reports[1]
+
+
+class ImportInvarianceTest(absltest.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.without, cls.with_sow = _stage_in_fresh_interpreters()
+
+  def test_interpreters_differ_only_by_the_import(self):
+    self.assertFalse(self.without['sow_imported'])
+    self.assertTrue(self.with_sow['sow_imported'])
+    for report in (self.without, self.with_sow):
+      self.assertEqual(report['device_count'], corpus.DEVICES)
+      self.assertEqual(sorted(report['jaxprs']), sorted(corpus.programs()))
+
+  def test_every_program_stages_without_the_import(self):
+    errors = {
+        name: text
+        for name, text in self.without['jaxprs'].items()
+        if text.startswith('ERROR')
+    }
+    self.assertEmpty(errors)
+
+  def test_programs_exercise_their_construct(self):
+    # Each program's jaxpr shows the primitives it is meant to stage (a
+    # construct that JAX inlines or rewrites would test nothing).
+    missing = [
+        (name, primitive)
+        for name, (_, _, needs) in corpus.programs().items()
+        for primitive in needs
+        if not re.search(rf'\b{primitive}\b', self.without['jaxprs'][name])
+    ]
+    self.assertEmpty(missing)
+
+  def test_corpus_exercises_the_offload_branch(self):
+    # Without the import, JAX's default partial evaluation offloads the
+    # policy's values to host memory and back: the branch a rule copied
+    # from JAX's default once dropped.
+    for name, count in corpus.OFFLOADING.items():
+      text = self.without['jaxprs'][name]
+      self.assertEqual(text.count('device_put'), count, msg=name)
+      self.assertIn('MemorySpace.Host', text, msg=name)
+
+  def test_jaxprs_identical_with_and_without_the_import(self):
+    changed = [
+        name
+        for name, text in self.without['jaxprs'].items()
+        if self.with_sow['jaxprs'].get(name) != text
+    ]
+    diffs = [
+        f'--- {name}\n'
+        + '\n'.join(
+            difflib.unified_diff(
+                self.without['jaxprs'][name].splitlines(),
+                self.with_sow['jaxprs'].get(name, '').splitlines(),
+                'without flax.nnx.sow',
+                'with flax.nnx.sow',
+                lineterm='',
+            )
+        )
+        for name in changed
+    ]
+    self.assertEmpty(changed, msg='\n'.join(diffs))
+
+
+def _primitive_tree(jaxpr: jex.Jaxpr) -> list:
+  """The primitives of ``jaxpr``'s equations, sub-jaxprs nested; sows left
+  out."""
+  tree = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == 'sow':
+      continue
+    subs = []
+    for value in eqn.params.values():
+      for v in value if isinstance(value, tuple) else (value,):
+        if isinstance(v, jex.ClosedJaxpr):
+          subs.append(_primitive_tree(v.jaxpr))
+        elif isinstance(v, jex.Jaxpr):
+          subs.append(_primitive_tree(v))
+    tree.append((eqn.primitive.name, subs))
+  return tree
+
+
+def _count_sows(jaxpr: jex.Jaxpr) -> int:
+  n = 0
+  for eqn in jaxpr.eqns:
+    n += eqn.primitive.name == 'sow'
+    for value in eqn.params.values():
+      for v in value if isinstance(value, tuple) else (value,):
+        if isinstance(v, jex.ClosedJaxpr):
+          n += _count_sows(v.jaxpr)
+        elif isinstance(v, jex.Jaxpr):
+          n += _count_sows(v)
+  return n
+
+
+def _scan_program(with_sow: bool):
+  def f(x):
+    def body(c, y):
+      h = jnp.sin(c * y)
+      if with_sow:
+        sow(h, name='h')
+      return c + h, 2.0 * h
+
+    return jax.lax.scan(body, x, jnp.arange(3.0))
+
+  return jax.vmap(f)
+
+
+def _cond_program(with_sow: bool):
+  def f(x):
+    def positive(x):
+      h = jnp.sin(x)
+      return sow(h, name='h') if with_sow else h
+
+    def negative(x):
+      h = jnp.cos(x)
+      return sow(h, name='h') if with_sow else h
+
+    return jax.lax.cond(x.sum() > 0, positive, negative, x)
+
+  return jax.vmap(f)
+
+
+class OutsideCaptureTest(parameterized.TestCase):
+  """Outside a capture nothing can collect a sow: under ``jax.vmap``,
+  ``scan`` and ``cond`` are batched by JAX's own rules, the sows staying
+  where they are, as identities."""
+
+  @parameterized.parameters('scan', 'cond')
+  def test_vmap_batches_as_jax_does(self, construct):
+    program = {'scan': _scan_program, 'cond': _cond_program}[construct]
+    x = jnp.array([[0.5, -1.0, 2.0], [-0.5, -0.25, -3.0]])
+    with_sow = jax.make_jaxpr(program(True))(x)
+    plain = jax.make_jaxpr(program(False))(x)
+    # The same equations as the program without sows, nested alike; the
+    # sows are still inside the loop body or the branches.
+    self.assertEqual(
+        _primitive_tree(with_sow.jaxpr), _primitive_tree(plain.jaxpr)
+    )
+    self.assertEqual(
+        _count_sows(with_sow.jaxpr), {'scan': 1, 'cond': 2}[construct]
+    )
+    for got, want in zip(
+        jax.tree.leaves(program(True)(x)), jax.tree.leaves(program(False)(x))
+    ):
+      np.testing.assert_array_equal(got, want)
+
+
+if __name__ == '__main__':
+  absltest.main()

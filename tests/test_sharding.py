@@ -1362,9 +1362,7 @@ def per_device_outputs(fn, mesh, in_specs):
   def body(*args):
     return [o[None] for o in fn(*args)]
 
-  return jax.shard_map(
-      body, mesh=mesh, in_specs=in_specs, out_specs=P('data')
-  )
+  return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=P('data'))
 
 
 class PerDeviceControlFlowTest(parameterized.TestCase):
@@ -1402,9 +1400,9 @@ class PerDeviceControlFlowTest(parameterized.TestCase):
     y = W * SCALE
     k = (2 * np.arange(8) % 3).astype(np.float32)
     # The same values as each device computes them, returned without sow.
-    ref_y, ref_z, ref_k = per_device_outputs(
-        values, mesh, (P('data'), P())
-    )(*self._inputs(mesh))
+    ref_y, ref_z, ref_k = per_device_outputs(values, mesh, (P('data'), P()))(
+        *self._inputs(mesh)
+    )
     assert_close(ref_y, y)
     assert_close(ref_k, k)
     assert_close(out, XC + np.repeat(y, 2))
@@ -1522,15 +1520,11 @@ class PerDeviceControlFlowTest(parameterized.TestCase):
 
     def body(x, w):
       h = perturb(w * 2.0, name='dh')
-      y = jax.lax.cond(
-          x[0] >= 4.0, lambda h: h * 2.0, lambda h: h * 3.0, h
-      )
+      y = jax.lax.cond(x[0] >= 4.0, lambda h: h * 2.0, lambda h: h * 3.0, h)
       g = perturb(y, name='dy')
       return jax.lax.psum(g * x[0], 'data')
 
-    f = jax.shard_map(
-        body, mesh=mesh, in_specs=(P('data'), P()), out_specs=P()
-    )
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P('data'), P()), out_specs=P())
     grad = jax.grad(f, argnums=1)
     expected_grad = grad(xs, W)  # JAX's own, without the capture
     # JAX differentiates y as one value: its cotangent is sum(x) = 28 on

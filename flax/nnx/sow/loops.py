@@ -24,6 +24,9 @@
 * ``cond``/``switch``: every branch returns the same extra outputs; a branch
   that does not sow a reduced name passes its accumulator through, and every
   branch must sow the same plain names with the same types.
+
+Each also has a rule of ``control.py``'s pass, which says how a predicate
+that varies over mesh axes (inside ``shard_map``) makes the outputs vary.
 """
 
 from __future__ import annotations
@@ -304,7 +307,9 @@ def _while_control(control, eqn, in_axes, scope, edit):
   while True:
     (pred,), _ = control.jaxpr(cond.jaxpr, [*cconsts, *carry], scope, False)
     trips = _jax.varying_axes(cond.out_avals[0]) | pred
-    outs, _ = control.jaxpr(body.jaxpr, [*bconsts, *carry], scope | trips, False)
+    outs, _ = control.jaxpr(
+        body.jaxpr, [*bconsts, *carry], scope | trips, False
+    )
     grown = [
         (c | o | (NO_AXES if k else trips)) - _jax.varying_axes(a)
         for c, o, k, a in zip(carry, outs, kept, carry_avals)

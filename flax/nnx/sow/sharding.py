@@ -25,6 +25,10 @@ global array ``(*[mesh.shape[a] for a in axes], *local_shape)`` whose entry
 inside ``jax.jit`` it stays partitioned over the mesh: the capture adds no
 collective.
 
+A value that differs per shard through control flow (computed from a
+``cond``/``while`` on a per-device predicate) although JAX types it
+invariant is sown as varying: the body is first marked by ``control.py``.
+
 A reduced name keeps one accumulator per shard the same way: outside, it has
 the leading axes of the union of the axes its sites vary over
 (:class:`capture.ShardAxes`); it enters the body split by the same spec, so

@@ -228,6 +228,7 @@ def _call_rule(control: ControlPass, eqn, in_axes, scope, edit):
   out_axes = [NO_AXES] * n_out
   new_params = {}
   opaque = False
+  matched = False
   for k, v in eqn.params.items():
     sub = v.jaxpr if isinstance(v, _jax.ClosedJaxpr) else v
     if not isinstance(sub, _jax.Jaxpr):
@@ -235,6 +236,7 @@ def _call_rule(control: ControlPass, eqn, in_axes, scope, edit):
     if len(sub.invars) != n_in or len(sub.outvars) != n_out:
       opaque = True
       continue
+    matched = True
     sub_out, new = control.jaxpr(sub, in_axes, scope, edit)
     out_axes = [a | b for a, b in zip(out_axes, sub_out)]
     if new is not None:
@@ -243,7 +245,9 @@ def _call_rule(control: ControlPass, eqn, in_axes, scope, edit):
           if isinstance(v, _jax.ClosedJaxpr)
           else new
       )
-  if opaque or not any(True for _ in _jax.jaxprs_in_params(eqn.params)):
+  if opaque or not matched:
+    # A first-order primitive, or a construct this pass cannot see into
+    # (jaxprs held in other forms): every input may reach every output.
     out_axes = [everything] * n_out
   if not new_params:
     return out_axes, None

@@ -1330,3 +1330,266 @@ class InterveneTest(parameterized.TestCase):
         (xs * 2.0 + 1.0).sum(1),
         rtol=1e-5,
     )
+
+
+# ----------------------------------------------------------------------------
+# Values computed from per-device control flow (``control.py``): JAX types
+# the outputs of a cond/switch on a per-device index, or of a while_loop with
+# a per-device trip count, as the same on every device; sown, they still
+# come back one per device.
+
+XC = np.arange(16, dtype=np.float32)  # device d holds [2d, 2d + 1]
+BIG = np.arange(8) >= 4  # x[0] >= 8.0, per device
+SCALE = np.where(BIG, 2.0, 3.0).astype(np.float32)  # the branch taken
+W = np.float32(1.5)
+
+
+def branch_scale(x, w):
+  """``w * 2`` where the shard's first value is >= 8, else ``w * 3``: a
+  value that differs per device but that JAX types as invariant."""
+  return jax.lax.cond(x[0] >= 8.0, lambda: w * 2.0, lambda: w * 3.0)
+
+
+def count_up_to(x):
+  """``ceil(x[0])`` steps of a while_loop: a per-device trip count."""
+  return jax.lax.while_loop(lambda c: c < x[0], lambda c: c + 1.0, 0.0)
+
+
+def per_device_outputs(fn, mesh, in_specs):
+  """``fn``'s outputs as each device computes them, without sow: the same
+  shard_map returning them with a leading ``P('data')`` axis."""
+
+  def body(*args):
+    return [o[None] for o in fn(*args)]
+
+  return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=P('data'))
+
+
+class PerDeviceControlFlowTest(parameterized.TestCase):
+
+  def _inputs(self, mesh):
+    return place(XC, mesh, P('data')), place(W, mesh, P())
+
+  @parameterized.product(axis_type=AXIS_TYPES, jit=(False, True))
+  def test_sow_after_cond_and_switch(self, axis_type, jit):
+    mesh = make_mesh((8,), ('data',), axis_type[1])
+
+    def values(x, w):
+      y = branch_scale(x, w)
+      k = jax.lax.switch(
+          x[0].astype(jnp.int32) % 3,
+          [lambda: 0.0, lambda: 1.0, lambda: 2.0],
+      )
+      return y, jnp.sin(y) + 1.0, k
+
+    def body(x, w):
+      y, z, k = values(x, w)
+      sow(y, name='y')  # directly after the cond
+      sow(z, name='z')  # after further arithmetic
+      sow(k, name='k')  # lax.switch
+      sow(w * 5.0, name='indep')  # does not depend on the branch
+      sow(jax.lax.psum(y, 'data'), name='total')  # the same everywhere
+      return x + y
+
+    f = jax.shard_map(
+        body, mesh=mesh, in_specs=(P('data'), P()), out_specs=P('data')
+    )
+    g = jax.jit(capture(f)) if jit else capture(f)
+    out, collected = g(*self._inputs(mesh))
+
+    y = W * SCALE
+    k = (2 * np.arange(8) % 3).astype(np.float32)
+    # The same values as each device computes them, returned without sow.
+    ref_y, ref_z, ref_k = per_device_outputs(values, mesh, (P('data'), P()))(
+        *self._inputs(mesh)
+    )
+    assert_close(ref_y, y)
+    assert_close(ref_k, k)
+    assert_close(out, XC + np.repeat(y, 2))
+    assert_collected(
+        self,
+        collected,
+        {
+            'y': (y,),
+            'z': (np.sin(y) + 1.0,),
+            'k': (k,),
+            'indep': (np.float32(W * 5.0),),  # one value, as before
+            'total': (np.float32(y.sum()),),
+        },
+    )
+    assert_close(collected['z'][0], ref_z)
+
+  @parameterized.product(axis_type=AXIS_TYPES, jit=(False, True))
+  def test_sow_after_while_and_fori_loop(self, axis_type, jit):
+    mesh = make_mesh((8,), ('data',), axis_type[1])
+
+    def body(x, w):
+      n, kept = jax.lax.while_loop(
+          lambda c: c[0] < x[0], lambda c: (c[0] + 1.0, c[1]), (0.0, w)
+      )
+      sow(n, name='n')
+      sow(kept, name='kept')  # returned unchanged: the same everywhere
+      m = jax.lax.fori_loop(0, x[0].astype(jnp.int32), lambda i, c: c + w, 0.0)
+      sow(m * 2.0, name='fori')
+      sow(n, name='n_total', reduce_fn=add, init_fn=zero)
+      return x
+
+    f = jax.shard_map(
+        body, mesh=mesh, in_specs=(P('data'), P()), out_specs=P('data')
+    )
+    g = jax.jit(capture(f)) if jit else capture(f)
+    _, collected = g(*self._inputs(mesh))
+
+    steps = 2.0 * np.arange(8, dtype=np.float32)  # x[0] on each device
+    assert_collected(
+        self,
+        collected,
+        {
+            'n': (steps,),
+            'kept': (W,),
+            'fori': (2.0 * W * steps,),
+            'n_total': steps,
+        },
+    )
+
+  @parameterized.named_parameters(*AXIS_TYPES)
+  def test_sows_in_later_constructs_fed_by_the_branch(self, axis_type):
+    mesh = make_mesh((8,), ('data',), axis_type)
+
+    def body(x, w):
+      y = jax.jit(branch_scale)(x, w)  # the cond inside a nested jit
+      n = count_up_to(x)
+
+      @jax.jit
+      def later(y, w):
+        sow(y * 2.0, name='jit_dep')
+        sow(w * 2.0, name='jit_indep')
+        return y + w
+
+      later(y, w)
+
+      def step(c, i):
+        sow(c + i, name='scan_dep')
+        sow(w + i, name='scan_indep')
+        return c, None
+
+      jax.lax.scan(step, n, jnp.arange(3.0))
+      jax.vmap(lambda r: sow(r * y, name='vmap_dep'))(jnp.arange(2.0))
+      # A while_loop whose predicate JAX types as invariant, but reads y.
+      jax.lax.while_loop(
+          lambda c: c < y,
+          lambda c: sow(
+              c + 1.0,
+              name='steps',
+              reduce_fn=add,
+              init_fn=zero,
+          ),
+          0.0,
+      )
+      return x
+
+    f = jax.shard_map(
+        body, mesh=mesh, in_specs=(P('data'), P()), out_specs=P('data')
+    )
+    steps = 2.0 * np.arange(8, dtype=np.float32)
+    y = W * SCALE
+    trips = np.ceil(y)  # 1.0, 2.0, ... summed per device
+    expected = {
+        'jit_dep': (2.0 * y,),
+        'jit_indep': (np.float32(2.0 * W),),
+        'scan_dep': (steps[:, None] + np.arange(3.0),),  # (device, step)
+        'scan_indep': (W + np.arange(3.0, dtype=np.float32),),
+        'vmap_dep': (np.stack([np.zeros(8), y], 1).astype(np.float32),),
+        'steps': (trips * (trips + 1) / 2).astype(np.float32),
+    }
+    # Also with the capture around a jit of the shard_map, and closing over
+    # a tracer of an enclosing jit.
+    runs = (
+        capture(f),
+        jax.jit(capture(f)),
+        capture(jax.jit(f)),
+        jax.jit(lambda x, w: capture(lambda x: f(x, w))(x)),
+    )
+    for run in runs:
+      _, collected = run(*self._inputs(mesh))
+      assert_collected(self, collected, expected)
+
+  def test_perturb_cotangent_from_a_per_device_branch(self):
+    mesh = make_mesh((8,), ('data',), AxisType.Auto)
+    xs = np.arange(8, dtype=np.float32)
+
+    def body(x, w):
+      h = perturb(w * 2.0, name='dh')
+      y = jax.lax.cond(x[0] >= 4.0, lambda h: h * 2.0, lambda h: h * 3.0, h)
+      g = perturb(y, name='dy')
+      return jax.lax.psum(g * x[0], 'data')
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P('data'), P()), out_specs=P())
+    grad = jax.grad(f, argnums=1)
+    expected_grad = grad(xs, W)  # JAX's own, without the capture
+    # JAX differentiates y as one value: its cotangent is sum(x) = 28 on
+    # every device; each device's transposed branch scales it by its own
+    # factor, so the cotangent at h differs per device.
+    scale = np.where(xs >= 4.0, 2.0, 3.0).astype(np.float32)
+    for run in (capture(grad), jax.jit(capture(grad))):
+      out, collected = run(xs, W)
+      assert_close(out, expected_grad)
+      assert_collected(
+          self,
+          collected,
+          {'dh': (28.0 * scale,), 'dy': (np.float32(28.0),)},
+      )
+
+  @parameterized.named_parameters(*AXIS_TYPES)
+  def test_two_dim_mesh_adds_only_the_predicate_axes(self, axis_type):
+    mesh = make_mesh((4, 2), ('data', 'model'), axis_type)
+
+    def body(x, w, v):
+      # Varies over 'data' only through the branch; y * v also over
+      # 'model' through its type.
+      y = jax.lax.cond(x[0] >= 8.0, lambda: w * 2.0, lambda: w * 3.0)
+      sow(y, name='y')
+      sow(y * v, name='yv')
+      return x
+
+    f = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(P('data'), P(), P('model')),
+        out_specs=P('data'),
+    )
+    x = place(np.arange(16, dtype=np.float32), mesh, P('data'))
+    v = np.array([1.0, -1.0], np.float32)
+    _, collected = jax.jit(capture(f))(
+        x, place(W, mesh, P()), place(v, mesh, P('model'))
+    )
+    y = W * np.where(np.arange(4) >= 2, 2.0, 3.0).astype(np.float32)
+    assert_collected(
+        self,
+        collected,
+        {'y': (y,), 'yv': ((y[:, None] * v)[..., None],)},  # (4, 2, 1)
+    )
+
+  @parameterized.named_parameters(*AXIS_TYPES)
+  def test_branches_sow_values_that_vary_differently(self, axis_type):
+    # One branch sows a per-device value, the other a constant.
+    mesh = make_mesh((8,), ('data',), axis_type)
+
+    def body(x, s):
+      def some(x):
+        sow(x.sum(), name='v')
+        return x
+
+      def none(x):
+        sow(jnp.float32(0.0), name='v')
+        return x
+
+      return jax.lax.cond(s > 0, some, none, x)
+
+    f = jax.shard_map(
+        body, mesh=mesh, in_specs=(P('data'), P()), out_specs=P('data')
+    )
+    x = place(XC, mesh, P('data'))
+    for s, expected in ((1.0, per_device(XC).sum(1)), (-1.0, np.zeros(8))):
+      _, collected = jax.jit(capture(f))(x, place(np.float32(s), mesh, P()))
+      assert_collected(self, collected, {'v': (expected,)})

@@ -514,6 +514,19 @@ def varying_axes(aval) -> frozenset:
   return frozenset(mat.varying) if mat is not None else frozenset()
 
 
+def invariant_aval(aval) -> tp.Any:
+  """``aval`` without the manual mesh axes it varies over."""
+  mat = getattr(aval, 'mat', None)
+  if mat is None or not mat.varying:
+    return aval
+  return aval.update(manual_axis_type=mat.update(varying=frozenset()))
+
+
+def current_mesh_axes() -> tuple[str, ...]:
+  """The axis names of the abstract mesh in context, in mesh order."""
+  return tuple(mesh_lib.get_abstract_mesh().axis_names)
+
+
 def pvary(x: tp.Any, axes: tp.Sequence[str]) -> tp.Any:
   """``x`` marked as varying over the manual mesh ``axes`` (a no-op where
   ``check_vma`` is off or it varies over them already)."""
@@ -521,6 +534,38 @@ def pvary(x: tp.Any, axes: tp.Sequence[str]) -> tp.Any:
   if not missing:
     return x
   return core.pvary(x, tuple(a for a in axes if a in missing))
+
+
+def pvary_equation(
+    x: tp.Any, axes: tp.Sequence[str], like: JaxprEqn
+) -> tuple[JaxprEqn, Var]:
+  """A ``pvary`` equation that marks the atom ``x`` as varying over ``axes``.
+
+  For editing a jaxpr inside a ``shard_map`` body without re-tracing it:
+  ``axes`` are manual mesh axes, in mesh order, that ``x`` does not vary
+  over yet; the equation takes ``like``'s source location and context.
+  Returns the equation and its output variable.
+  """
+  aval = x.aval
+  mesh = like.ctx.cur_abstract_mesh
+  out = Var(
+      aval.update(
+          sharding=aval.sharding.update(mesh=mesh),
+          manual_axis_type=aval.mat.update(
+              varying=aval.mat.varying | frozenset(axes)
+          ),
+      )
+  )
+  eqn = core.new_jaxpr_eqn(
+      [x],
+      [out],
+      core.pvary_p,
+      {'axes': tuple(axes)},
+      set(),
+      like.source_info,
+      like.ctx,
+  )
+  return eqn, out
 
 
 def vary_like(x: tp.Any, like: tp.Any) -> tp.Any:

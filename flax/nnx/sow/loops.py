@@ -24,6 +24,9 @@
 * ``cond``/``switch``: every branch returns the same extra outputs; a branch
   that does not sow a reduced name passes its accumulator through, and every
   branch must sow the same plain names with the same types.
+
+Each also has a rule of ``control.py``'s pass, which says how a predicate
+that varies over mesh axes (inside ``shard_map``) makes the outputs vary.
 """
 
 from __future__ import annotations
@@ -43,6 +46,10 @@ from flax.nnx.sow.capture import construct_names
 from flax.nnx.sow.capture import site_annotations
 from flax.nnx.sow.capture import sow_sites
 from flax.nnx.sow.capture import strong
+from flax.nnx.sow.control import NO_AXES
+from flax.nnx.sow.control import control_rules
+from flax.nnx.sow.control import passes_through
+from flax.nnx.sow.control import union
 
 
 def _permuted(closed: _jax.ClosedJaxpr, in_order, out_order, name: str):
@@ -254,6 +261,95 @@ site_annotations[_jax.cond_p] = lambda eqn, site: _control_axes(
 
 
 # ----------------------------------------------------------------------------
+# Per-device control flow inside shard_map (``control.py``): a loop or branch
+# whose predicate varies over mesh axes makes its outputs vary over them,
+# whatever their types say, and what it sows.
+
+
+def _scan_control(control, eqn, in_axes, scope, edit):
+  p = eqn.params
+  body = p['jaxpr'].jaxpr
+  n_consts, n_carry = p['num_consts'], p['num_carry']
+  consts = in_axes[:n_consts]
+  carry = in_axes[n_consts : n_consts + n_carry]
+  xs = in_axes[n_consts + n_carry :]
+  carry_avals = [v.aval for v in eqn.outvars[:n_carry]]
+  while True:  # the carries' axes grow until they are a fixed point
+    outs, _ = control.jaxpr(body, [*consts, *carry, *xs], scope, False)
+    grown = [
+        (c | o) - _jax.varying_axes(a)
+        for c, o, a in zip(carry, outs[:n_carry], carry_avals)
+    ]
+    if grown == carry:
+      break
+    carry = grown
+  outs, new = control.jaxpr(body, [*consts, *carry, *xs], scope, edit)
+  out_axes = [*carry, *outs[n_carry:]]
+  if new is None:
+    return out_axes, None
+  jaxpr = _jax.ClosedJaxpr(new, p['jaxpr'].consts)
+  return out_axes, eqn.replace(params=dict(p, jaxpr=jaxpr))
+
+
+def _while_control(control, eqn, in_axes, scope, edit):
+  p = eqn.params
+  cond, body = p['cond_jaxpr'], p['body_jaxpr']
+  n_cc, n_bc = p['cond_nconsts'], p['body_nconsts']
+  cconsts, bconsts = in_axes[:n_cc], in_axes[n_cc : n_cc + n_bc]
+  carry = in_axes[n_cc + n_bc :]
+  carry_avals = [v.aval for v in eqn.outvars]
+  # A carry the body returns as it is stays what it was, however many
+  # times the loop runs; every other one depends on the trip count.
+  kept = [
+      body.jaxpr.outvars[j] is body.jaxpr.invars[n_bc + j]
+      for j in range(len(carry))
+  ]
+  while True:
+    (pred,), _ = control.jaxpr(cond.jaxpr, [*cconsts, *carry], scope, False)
+    trips = _jax.varying_axes(cond.out_avals[0]) | pred
+    outs, _ = control.jaxpr(
+        body.jaxpr, [*bconsts, *carry], scope | trips, False
+    )
+    grown = [
+        (c | o | (NO_AXES if k else trips)) - _jax.varying_axes(a)
+        for c, o, k, a in zip(carry, outs, kept, carry_avals)
+    ]
+    if grown == carry:
+      break
+    carry = grown
+  _, new = control.jaxpr(body.jaxpr, [*bconsts, *carry], scope | trips, edit)
+  if new is None:
+    return carry, None
+  jaxpr = _jax.ClosedJaxpr(new, body.consts)
+  return carry, eqn.replace(params=dict(p, body_jaxpr=jaxpr))
+
+
+def _cond_control(control, eqn, in_axes, scope, edit):
+  branches = eqn.params['branches']
+  # Each device takes the branch its index picks.
+  taken = _jax.varying_axes(eqn.invars[0].aval) | in_axes[0]
+  outs, new = [], []
+  for branch in branches:
+    o, n = control.jaxpr(branch.jaxpr, in_axes[1:], scope | taken, edit)
+    outs.append(o)
+    new.append(branch if n is None else _jax.ClosedJaxpr(n, branch.consts))
+  jaxprs = [b.jaxpr for b in branches]
+  out_axes = [
+      union(o[j] for o in outs)
+      | (NO_AXES if passes_through(jaxprs, j) else taken)
+      for j in range(len(eqn.outvars))
+  ]
+  if all(n is b for n, b in zip(new, branches)):
+    return out_axes, None
+  return out_axes, eqn.replace(params=dict(eqn.params, branches=tuple(new)))
+
+
+control_rules[_jax.scan_p] = _scan_control
+control_rules[_jax.while_p] = _while_control
+control_rules[_jax.cond_p] = _cond_control
+
+
+# ----------------------------------------------------------------------------
 # cond / switch
 
 
@@ -351,17 +447,42 @@ def align_branches(
             sources,
         )
 
+  # Inside shard_map, a branch may sow a value that varies over mesh axes
+  # where another sows one that does not (zeros, say): each entry leaf
+  # varies over the axes it varies over in any branch.
+  mesh_order = _jax.current_mesh_axes()
+  varying = {}
+  for key in keys0:
+    per_branch = []
+    for (closed, _), where in zip(rewritten, placed):
+      spec, pos = where[key]
+      per_branch.append(closed.out_avals[pos : pos + spec.size])
+    varying[key] = [
+        tuple(
+            a
+            for a in mesh_order
+            if any(a in _jax.varying_axes(aval) for aval in avals)
+        )
+        for avals in zip(*per_branch)
+    ]
+
   def build(closed, layout, where):
     order = list(range(n_out))
+    axes = [()] * n_out
     for key in keys0:
       spec, pos = where[key]
       order.extend(range(pos, pos + spec.size))
+      axes.extend(varying[key])
     end = n_out + layout.num_entry_leaves
     order.extend(range(end, end + layout.num_accumulator_leaves))
+    axes.extend([()] * layout.num_accumulator_leaves)
 
     def fn(*args):
       outs = _jax.eval_closed(closed, args)
-      return [strong(outs[i]) if i >= n_out else outs[i] for i in order]
+      return [
+          _jax.pvary(strong(outs[i]), a) if i >= n_out else outs[i]
+          for i, a in zip(order, axes)
+      ]
 
     return _jax.trace_to_closed_jaxpr(fn, closed.in_avals, 'cond_capture')
 
@@ -379,7 +500,8 @@ def align_branches(
 
 
 def _strong_avals(avals):
-  return [a.strip_weak_type() for a in avals]
+  # Compared without the mesh axes they vary over (see ``align_branches``).
+  return [_jax.invariant_aval(a.strip_weak_type()) for a in avals]
 
 
 def _cond_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):

@@ -25,6 +25,10 @@ global array ``(*[mesh.shape[a] for a in axes], *local_shape)`` whose entry
 inside ``jax.jit`` it stays partitioned over the mesh: the capture adds no
 collective.
 
+A value that differs per shard through control flow (computed from a
+``cond``/``while`` on a per-device predicate) although JAX types it
+invariant is sown as varying: the body is first marked by ``control.py``.
+
 A reduced name keeps one accumulator per shard the same way: outside, it has
 the leading axes of the union of the axes its sites vary over
 (:class:`capture.ShardAxes`); it enters the body split by the same spec, so
@@ -50,6 +54,7 @@ import jax
 from jax.sharding import PartitionSpec
 
 from flax.nnx.sow import _jax
+from flax.nnx.sow import control as control_lib
 
 # Its scan/cond batching rules must be installed before the ones below wrap
 # them.
@@ -95,8 +100,12 @@ def _annotate(eqn: _jax.JaxprEqn, site: SowSite) -> SowSite:
   n = len(sow.invars) - sow.params['n_closure']
   names = _varying(eqn.params, [v.aval for v in sow.invars[:n]])
   # A loop or branch whose predicate varies over an axis runs differently
-  # per shard there, whatever the value's own type says.
-  names |= site.control_axes & frozenset(eqn.params['newly_manual_axes'])
+  # per shard there, whatever the value's own type says; so does a value
+  # computed from its outputs (``control.py``).
+  control = site.control_axes
+  if eqn.params['check_vma']:
+    control |= _marked(eqn.params).sown.get(sow, frozenset())
+  names |= control & frozenset(eqn.params['newly_manual_axes'])
   return dataclasses.replace(
       site, sharded=ShardAxes(_manual_axes(eqn.params), names)
   )
@@ -105,7 +114,19 @@ def _annotate(eqn: _jax.JaxprEqn, site: SowSite) -> SowSite:
 site_annotations[_jax.shard_map_p] = _annotate
 
 
+def _marked(params) -> control_lib.Marked:
+  return control_lib.mark_control_varying(
+      params['jaxpr'], params['mesh'].axis_names
+  )
+
+
 def _shard_map_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
+  if eqn.params['check_vma']:
+    # Sows of values that differ per shard through control flow read a
+    # ``pvary`` of them, so their types say so (``control.py``).
+    marked = _marked(eqn.params).jaxpr
+    if marked is not eqn.params['jaxpr']:
+      eqn = eqn.replace(params=dict(eqn.params, jaxpr=marked))
   p = eqn.params
   body = p['jaxpr']
   sites = collector.accepted_sites([body])

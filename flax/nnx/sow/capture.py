@@ -1118,7 +1118,7 @@ class Staged:
   closed: _jax.ClosedJaxpr
   arrays: list[tp.Any]  # the traced argument leaves, the program's inputs
   out_tree: tp.Any
-  static_out: list[tp.Any]
+  static_out: list[tp.Any]  # the non-array output leaves (None elsewhere)
   out_is_array: list[bool]
 
   def output(self, outs: tp.Sequence[tp.Any]) -> tp.Any:
@@ -1149,7 +1149,10 @@ def stage(
     out = f(*a, **kw)
     out_leaves, out_tree = jax.tree_util.tree_flatten(out)
     out_is_array = [is_array(x) for x in out_leaves]
-    out_box.append((out_tree, out_leaves, out_is_array))
+    # Only the static leaves are kept: the traced ones are tracers of this
+    # staging, which must not outlive it (``jax.checking_leaks``).
+    static = [None if o else x for x, o in zip(out_leaves, out_is_array)]
+    out_box.append((out_tree, static, out_is_array))
     return [x for x, o in zip(out_leaves, out_is_array) if o]
 
   with staging(staging_key):

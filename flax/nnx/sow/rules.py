@@ -112,8 +112,12 @@ construct_names[_jax.remat_p] = '`jax.checkpoint`'
 # rewritten primal body already returns what those sows collect.
 
 
-def _without_repeated_sows(collector, layout, rule, args, what):
+def _without_repeated_sows(accepts_key, layout, rule, args, what):
   """``rule(*args)``, dropping the sows this capture took from the body.
+
+  Called from a rule that JAX keeps in the staged program, so it is given
+  the capture's ``accepts_key``, never its ``Collector``, whose entries are
+  tracers of the staging (``jax.checking_leaks``).
 
   When the rule is differentiated after the rewrite (a capture inside a
   ``jax.grad`` that an outer capture stages), the sows it runs again would
@@ -134,6 +138,7 @@ def _without_repeated_sows(collector, layout, rule, args, what):
   closed = _jax.trace_to_closed_jaxpr(
       call, [_jax.typeof(x) for x in values], 'custom_rule'
   )
+  collector = Collector(accepts_key)
   if not collector.has_work([closed]):
     return _jax.eval_closed(closed, values)
   extra = [
@@ -149,9 +154,7 @@ def _without_repeated_sows(collector, layout, rule, args, what):
         ' be collected. Sow it in the primal function, or put the capture'
         ' around the differentiation (capture(jax.grad(f))).'
     )
-  return eval_collecting(
-      closed.jaxpr, closed.consts, values, Collector(collector.accepts_key)
-  )
+  return eval_collecting(closed.jaxpr, closed.consts, values, collector)
 
 
 # ----------------------------------------------------------------------------
@@ -165,6 +168,7 @@ def _custom_jvp_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
   new_jaxpr, layout, acc_in = collector.prepare(p['call_jaxpr'])
   n_acc, n_out = len(acc_in), len(eqn.outvars)
   _, orig_jvp = eqn.primitive.get_bind_params(p)['subfuns']
+  accepts_key = collector.accepts_key
 
   def fun(*args):
     return _jax.eval_closed(new_jaxpr, args)
@@ -172,7 +176,7 @@ def _custom_jvp_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
   def jvp(*xs):
     primals, tangents = _split(xs, len(xs) // 2)
     out = _without_repeated_sows(
-        collector,
+        accepts_key,
         layout,
         orig_jvp,
         [*primals[n_acc:], *tangents[n_acc:]],
@@ -216,13 +220,14 @@ def _custom_vjp_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
   acc_avals = [_jax.typeof(x) for x in acc_in]
   n_acc, n_out, n_extra = len(acc_in), len(eqn.outvars), layout.num_extra
   _, orig_fwd, orig_bwd = eqn.primitive.get_bind_params(p)['subfuns']
+  accepts_key = collector.accepts_key
 
   def fun(*args):
     return _jax.eval_closed(new_jaxpr, args)
 
   def fwd(*args):
     res_and_outs = _without_repeated_sows(
-        collector, layout, orig_fwd, args[2 * n_acc :], 'custom_vjp forward'
+        accepts_key, layout, orig_fwd, args[2 * n_acc :], 'custom_vjp forward'
     )
     primals = args[::2]
     extra = _jax.eval_closed(without_staged_sows(new_jaxpr), primals)

@@ -45,6 +45,7 @@ from jax._src.interpreters import mlir
 from jax._src.interpreters import partial_eval as pe
 from jax._src.lax import control_flow as lax_control_flow
 from jax._src.named_sharding import UNSPECIFIED
+from jax.experimental import jet as jet_lib
 
 Jaxpr = core.Jaxpr
 ClosedJaxpr = core.ClosedJaxpr
@@ -79,6 +80,7 @@ primitive_jvps = ad.primitive_jvps
 primitive_transposes = ad.primitive_transposes
 instantiate_zeros = ad.instantiate_zeros
 fancy_primitive_batchers = batching.fancy_primitive_batchers
+jet_rules = jet_lib.jet_rules  # jax.experimental.jet's rule registry
 register_lowering = mlir.register_lowering
 partial_eval_jaxpr_custom_rules = pe.partial_eval_jaxpr_custom_rules
 new_jaxpr_eqn = pe.new_jaxpr_eqn

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src import ad_checkpoint
 from jax._src import core
+from jax._src import custom_batching
 from jax._src import custom_derivatives
 from jax._src import effects
 from jax._src import linear_util as lu
@@ -63,6 +64,9 @@ call_p = core.call_p
 remat_p = ad_checkpoint.remat_p
 custom_jvp_call_p = custom_derivatives.custom_jvp_call_p
 custom_vjp_call_p = custom_derivatives.custom_vjp_call_p
+# The forward pass of a ``custom_vjp`` with ``optimize_remat=True``.
+remat_opt_p = custom_derivatives.remat_opt_p
+custom_vmap_p = custom_batching.custom_vmap_p
 scan_p = lax_control_flow.scan_p
 while_p = lax_control_flow.while_p
 shard_map_p = shard_map_lib.shard_map_p
@@ -86,6 +90,41 @@ partial_eval_jaxpr_custom_rules = pe.partial_eval_jaxpr_custom_rules
 new_jaxpr_eqn = pe.new_jaxpr_eqn
 user_context = source_info_util.user_context
 current_name_stack = source_info_util.current_name_stack
+
+
+def call_vmap_rule(
+    rule: tp.Callable, in_tree, out_tree, axis_size: int, in_batched, args
+) -> tuple[list[tp.Any], list[bool]]:
+  """Calls a ``custom_vmap_call``'s ``rule`` on flat ``args`` (as JAX's
+  batching rule does); returns its flat outputs and which are batched."""
+  out, out_batched = custom_batching.call_rule(
+      rule,
+      axis_size,
+      jax.tree_util.tree_unflatten(in_tree, list(in_batched)),
+      jax.tree_util.tree_unflatten(in_tree, list(args)),
+  )
+  flat_out, tree = jax.tree_util.tree_flatten(out)
+  flat_batched, batched_tree = jax.tree_util.tree_flatten(out_batched)
+  custom_batching.check_vmap_rule_trees(rule, out_tree, tree, batched_tree)
+  return flat_out, flat_batched
+
+
+def bind_custom_vmap(
+    call: ClosedJaxpr, args: tp.Sequence[tp.Any], rule: tp.Callable
+) -> list[tp.Any]:
+  """Binds ``custom_vmap_call`` with body ``call`` and a flat ``rule``.
+
+  ``rule(axis_size, in_batched, *args) -> (outs, out_batched)`` takes and
+  returns flat lists, one entry per argument and output of ``call``.
+  """
+  n_in, n_out = len(args), len(call.out_avals)
+  return custom_batching.custom_vmap_p.bind(
+      *args,
+      call=call,
+      rule=rule,
+      in_tree=jax.tree_util.tree_structure((0,) * n_in),
+      out_tree=jax.tree_util.tree_structure([0] * n_out),
+  )
 
 
 def summarize_source(source_info) -> str:

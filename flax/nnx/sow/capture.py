@@ -956,7 +956,10 @@ def capture(
       reductions.
     NotImplementedError: a sow inside a construct with no capture rule (e.g.
       ``custom_linear_solve``), a plain sow in a ``shard_map`` that
-      ``jax.vmap`` maps over, a reduced sow in a nested ``shard_map``.
+      ``jax.vmap`` maps over, a reduced sow in a nested ``shard_map``; in a
+      ``custom_vmap`` function that a ``jax.vmap`` around the capture
+      batches, a reduced sow or a vmap rule that sows other names than the
+      function.
     TypeError: ``f`` is not callable, ``tags`` is not an iterable of
       hashables, or ``f`` calls an ahead-of-time compiled function
       (``jax.jit(g).lower(...).compile()``), which no capture can look into.

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src import ad_checkpoint
 from jax._src import core
+from jax._src import custom_batching
 from jax._src import custom_derivatives
 from jax._src import effects
 from jax._src import linear_util as lu
@@ -48,6 +49,7 @@ from jax._src.interpreters import mlir
 from jax._src.interpreters import partial_eval as pe
 from jax._src.lax import control_flow as lax_control_flow
 from jax._src.named_sharding import UNSPECIFIED
+from jax.experimental import jet as jet_lib
 
 Jaxpr = core.Jaxpr
 ClosedJaxpr = core.ClosedJaxpr
@@ -65,6 +67,9 @@ call_p = core.call_p
 remat_p = ad_checkpoint.remat_p
 custom_jvp_call_p = custom_derivatives.custom_jvp_call_p
 custom_vjp_call_p = custom_derivatives.custom_vjp_call_p
+# The forward pass of a ``custom_vjp`` with ``optimize_remat=True``.
+remat_opt_p = custom_derivatives.remat_opt_p
+custom_vmap_p = custom_batching.custom_vmap_p
 scan_p = lax_control_flow.scan_p
 while_p = lax_control_flow.while_p
 shard_map_p = shard_map_lib.shard_map_p
@@ -89,6 +94,7 @@ primitive_jvps = ad.primitive_jvps
 primitive_transposes = ad.primitive_transposes
 instantiate_zeros = ad.instantiate_zeros
 fancy_primitive_batchers = batching.fancy_primitive_batchers
+jet_rules = jet_lib.jet_rules  # jax.experimental.jet's rule registry
 register_lowering = mlir.register_lowering
 partial_eval_jaxpr_custom_rules = pe.partial_eval_jaxpr_custom_rules
 new_jaxpr_eqn = pe.new_jaxpr_eqn
@@ -104,6 +110,41 @@ def is_eval_trace(trace) -> bool:
 def jit_disabled() -> bool:
   """Whether ``jax.disable_jit()`` is in force."""
   return bool(jax_config.disable_jit.value)
+
+
+def call_vmap_rule(
+    rule: tp.Callable, in_tree, out_tree, axis_size: int, in_batched, args
+) -> tuple[list[tp.Any], list[bool]]:
+  """Calls a ``custom_vmap_call``'s ``rule`` on flat ``args`` (as JAX's
+  batching rule does); returns its flat outputs and which are batched."""
+  out, out_batched = custom_batching.call_rule(
+      rule,
+      axis_size,
+      jax.tree_util.tree_unflatten(in_tree, list(in_batched)),
+      jax.tree_util.tree_unflatten(in_tree, list(args)),
+  )
+  flat_out, tree = jax.tree_util.tree_flatten(out)
+  flat_batched, batched_tree = jax.tree_util.tree_flatten(out_batched)
+  custom_batching.check_vmap_rule_trees(rule, out_tree, tree, batched_tree)
+  return flat_out, flat_batched
+
+
+def bind_custom_vmap(
+    call: ClosedJaxpr, args: tp.Sequence[tp.Any], rule: tp.Callable
+) -> list[tp.Any]:
+  """Binds ``custom_vmap_call`` with body ``call`` and a flat ``rule``.
+
+  ``rule(axis_size, in_batched, *args) -> (outs, out_batched)`` takes and
+  returns flat lists, one entry per argument and output of ``call``.
+  """
+  n_in, n_out = len(args), len(call.out_avals)
+  return custom_batching.custom_vmap_p.bind(
+      *args,
+      call=call,
+      rule=rule,
+      in_tree=jax.tree_util.tree_structure((0,) * n_in),
+      out_tree=jax.tree_util.tree_structure([0] * n_out),
+  )
 
 
 def summarize_source(source_info) -> str:

@@ -1109,7 +1109,10 @@ def capture(
       reductions.
     NotImplementedError: a sow inside a construct with no capture rule (e.g.
       ``custom_linear_solve``), a plain sow in a ``shard_map`` that
-      ``jax.vmap`` maps over, a reduced sow in a nested ``shard_map``.
+      ``jax.vmap`` maps over, a reduced sow in a nested ``shard_map``; in a
+      ``custom_vmap`` function that a ``jax.vmap`` around the capture
+      batches, a reduced sow or a vmap rule that sows other names than the
+      function.
     TypeError: ``f`` is not callable, ``tags`` is not an iterable of
       hashables, or ``f`` calls an ahead-of-time compiled function
       (``jax.jit(g).lower(...).compile()``), which no capture can look into.
@@ -1271,7 +1274,7 @@ class Staged:
   closed: _jax.ClosedJaxpr
   arrays: list[tp.Any]  # the traced argument leaves, the program's inputs
   out_tree: tp.Any
-  static_out: list[tp.Any]
+  static_out: list[tp.Any]  # the non-array output leaves (None elsewhere)
   out_is_array: list[bool]
 
   def output(self, outs: tp.Sequence[tp.Any]) -> tp.Any:
@@ -1302,7 +1305,10 @@ def stage(
     out = f(*a, **kw)
     out_leaves, out_tree = jax.tree_util.tree_flatten(out)
     out_is_array = [is_array(x) for x in out_leaves]
-    out_box.append((out_tree, out_leaves, out_is_array))
+    # Only the static leaves are kept: the traced ones are tracers of this
+    # staging, which must not outlive it (``jax.checking_leaks``).
+    static = [None if o else x for x, o in zip(out_leaves, out_is_array)]
+    out_box.append((out_tree, static, out_is_array))
     return [x for x, o in zip(out_leaves, out_is_array) if o]
 
   with staging(staging_key):

@@ -58,6 +58,7 @@ from flax.nnx.sow.capture import where
 from flax.nnx.sow.loops import _branches_hoisted  # pylint: disable=protected-access
 from flax.nnx.sow.loops import _hoisted  # pylint: disable=protected-access
 from flax.nnx.sow.primitive import Intervening
+from flax.nnx.sow.rules import bind_remat_opt
 from flax.nnx.sow.primitive import Name
 from flax.nnx.sow.primitive import sow_p
 from flax.nnx.sow.primitive import staging_active
@@ -695,7 +696,96 @@ def _shard_map_rule(injector, eqn, invals):
   return _jax.bind_equation(eqn.replace(params=new_params), [*consts, *invals])
 
 
+def _remat_opt_rule(injector, eqn, invals):
+  # The forward pass of ``custom_vjp(optimize_remat=True)`` under
+  # differentiation: its sows see primal values and are replaced there.
+  # See ``rules.py`` for the parameters.
+  new, reps = _one_body(injector, eqn.params['fwd_jaxpr'])
+  new, consts = _hoisted(new)
+  return bind_remat_opt(new, [*consts, *invals, *reps], eqn.params['num_res'])
+
+
+class _InterveningVmapRule:
+  """The vmap rule of a ``custom_vmap_call`` whose body intervene rewrote.
+
+  Batched, the user's ``rule`` runs instead of the body, and its sows are
+  replaced by the callables of ``fns``, as under a ``jax.vmap`` inside
+  ``intervene``. Array replacements (``n_reps`` trailing arguments) were laid
+  out for the body's sows, so they are an error here.
+  """
+
+  def __init__(
+      self, rule, in_tree, out_tree, n_lead, n_reps, fns, accepts_key, sites
+  ):
+    self.rule = rule
+    self.in_tree = in_tree
+    self.out_tree = out_tree
+    self.n_lead = n_lead  # constants of the rewrite, before the arguments
+    self.n_reps = n_reps
+    self.fns = fns
+    self.accepts_key = accepts_key
+    self.sites = sites  # the replaced sites of the body, for errors
+
+  def __str__(self):
+    return str(self.rule)
+
+  def __call__(self, axis_size, in_batched, *args):
+    if self.n_reps:
+      site = self.sites[0]
+      raise NotImplementedError(
+          f'intervene: sow {site.name!r}{site.where} is inside a'
+          ' `jax.custom_batching.custom_vmap` function that `jax.vmap` maps'
+          ' over from outside intervene, so its vmap rule runs instead of'
+          ' the function, and an array replacement laid out for the'
+          " function's sows cannot be matched to the rule's. Pass a callable"
+          ' (values[name] = fn, applied to what the rule sows), or put the'
+          ' vmap inside intervene.'
+      )
+    end = len(args) - self.n_reps
+    flags = list(in_batched[self.n_lead : end])
+    values = list(args[self.n_lead : end])
+    box = []
+
+    def run(*xs):
+      outs, batched = _jax.call_vmap_rule(
+          self.rule, self.in_tree, self.out_tree, axis_size, flags, xs
+      )
+      box.append(batched)
+      return outs
+
+    closed = _jax.trace_to_closed_jaxpr(
+        run, [_jax.typeof(x) for x in values], 'custom_vmap_rule'
+    )
+    injector = Injector(self.accepts_key, dict(self.fns), strict=False)
+    outs = eval_intervening(closed.jaxpr, closed.consts, values, injector)
+    return outs, box[-1]
+
+
+def _custom_vmap_rule(injector, eqn, invals):
+  # Unbatched, the body runs with its sows replaced; batched, the user's
+  # vmap rule runs, with the callables applied to its sows.
+  p = eqn.params
+  new, reps = _one_body(injector, p['call'])
+  new, consts = _hoisted(new)
+  sites = [
+      s for s in sow_sites(p['call'].jaxpr) if injector.targets(s.eqn.params)
+  ]
+  rule = _InterveningVmapRule(
+      p['rule'],
+      p['in_tree'],
+      p['out_tree'],
+      len(consts),
+      len(reps),
+      injector.fns_in(p['call'].jaxpr),
+      injector.accepts_key,
+      sites,
+  )
+  return _jax.bind_custom_vmap(new, [*consts, *invals, *reps], rule)
+
+
 intervene_rules[_jax.shard_map_p] = _shard_map_rule
+intervene_rules[_jax.custom_vmap_p] = _custom_vmap_rule
+intervene_rules[_jax.remat_opt_p] = _remat_opt_rule
 intervene_rules[_jax.jit_p] = _jit_rule
 intervene_rules[_jax.closed_call_p] = _closed_call_rule
 intervene_rules[_jax.call_p] = _call_rule

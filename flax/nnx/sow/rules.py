@@ -15,8 +15,9 @@
 """Capture rules for call-like higher-order primitives.
 
 One rule per primitive, registered in ``capture.collect_rules``: ``jit``,
-``closed_call``/``call``, ``custom_jvp_call``, ``custom_vjp_call`` and
-``remat``. Each re-binds its primitive with a rewritten sub-jaxpr that takes
+``closed_call``/``call``, ``custom_jvp_call``, ``custom_vjp_call``,
+``remat_opt`` (the forward pass of ``custom_vjp(optimize_remat=True)``),
+``custom_vmap_call`` and ``remat``. Each re-binds its primitive with a rewritten sub-jaxpr that takes
 the accumulators of reduced names as leading inputs and returns the collected
 values as trailing outputs (see ``capture.Layout``). Loops and branches are in
 ``loops.py``.
@@ -27,11 +28,13 @@ from __future__ import annotations
 
 from flax.nnx.sow import _jax
 from flax.nnx.sow.capture import Collector
+from flax.nnx.sow.capture import cached
 from flax.nnx.sow.capture import is_array
 from flax.nnx.sow.capture import collect_rules
 from flax.nnx.sow.capture import construct_names
 from flax.nnx.sow.capture import eval_collecting
 from flax.nnx.sow.invariance import without_staged_sows
+from flax.nnx.sow.loops import _hoisted  # pylint: disable=protected-access
 
 
 def _split(outs, n):
@@ -112,8 +115,12 @@ construct_names[_jax.remat_p] = '`jax.checkpoint`'
 # rewritten primal body already returns what those sows collect.
 
 
-def _without_repeated_sows(collector, layout, rule, args, what):
+def _without_repeated_sows(accepts_key, layout, rule, args, what):
   """``rule(*args)``, dropping the sows this capture took from the body.
+
+  Called from a rule that JAX keeps in the staged program, so it is given
+  the capture's ``accepts_key``, never its ``Collector``, whose entries are
+  tracers of the staging (``jax.checking_leaks``).
 
   When the rule is differentiated after the rewrite (a capture inside a
   ``jax.grad`` that an outer capture stages), the sows it runs again would
@@ -134,6 +141,7 @@ def _without_repeated_sows(collector, layout, rule, args, what):
   closed = _jax.trace_to_closed_jaxpr(
       call, [_jax.typeof(x) for x in values], 'custom_rule'
   )
+  collector = Collector(accepts_key)
   if not collector.has_work([closed]):
     return _jax.eval_closed(closed, values)
   extra = [
@@ -149,9 +157,7 @@ def _without_repeated_sows(collector, layout, rule, args, what):
         ' be collected. Sow it in the primal function, or put the capture'
         ' around the differentiation (capture(jax.grad(f))).'
     )
-  return eval_collecting(
-      closed.jaxpr, closed.consts, values, Collector(collector.accepts_key)
-  )
+  return eval_collecting(closed.jaxpr, closed.consts, values, collector)
 
 
 # ----------------------------------------------------------------------------
@@ -165,6 +171,7 @@ def _custom_jvp_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
   new_jaxpr, layout, acc_in = collector.prepare(p['call_jaxpr'])
   n_acc, n_out = len(acc_in), len(eqn.outvars)
   _, orig_jvp = eqn.primitive.get_bind_params(p)['subfuns']
+  accepts_key = collector.accepts_key
 
   def fun(*args):
     return _jax.eval_closed(new_jaxpr, args)
@@ -172,7 +179,7 @@ def _custom_jvp_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
   def jvp(*xs):
     primals, tangents = _split(xs, len(xs) // 2)
     out = _without_repeated_sows(
-        collector,
+        accepts_key,
         layout,
         orig_jvp,
         [*primals[n_acc:], *tangents[n_acc:]],
@@ -216,13 +223,14 @@ def _custom_vjp_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
   acc_avals = [_jax.typeof(x) for x in acc_in]
   n_acc, n_out, n_extra = len(acc_in), len(eqn.outvars), layout.num_extra
   _, orig_fwd, orig_bwd = eqn.primitive.get_bind_params(p)['subfuns']
+  accepts_key = collector.accepts_key
 
   def fun(*args):
     return _jax.eval_closed(new_jaxpr, args)
 
   def fwd(*args):
     res_and_outs = _without_repeated_sows(
-        collector, layout, orig_fwd, args[2 * n_acc :], 'custom_vjp forward'
+        accepts_key, layout, orig_fwd, args[2 * n_acc :], 'custom_vjp forward'
     )
     primals = args[::2]
     extra = _jax.eval_closed(without_staged_sows(new_jaxpr), primals)
@@ -254,3 +262,185 @@ def _custom_vjp_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
 
 collect_rules[_jax.custom_vjp_call_p] = _custom_vjp_rule
 construct_names[_jax.custom_vjp_call_p] = '`jax.custom_vjp`'
+
+
+# ----------------------------------------------------------------------------
+# remat_opt: the forward pass of ``f.defvjp(fwd, bwd, optimize_remat=True)``,
+# bound where ``jax.grad`` calls ``fwd`` (so its sows see primal values).
+# Its ``fwd_jaxpr`` takes ``[*consts, *args]`` and returns
+# ``[*residuals, *outputs]``; where the residuals turn out unused, JAX's
+# dead-code elimination replaces the equation by the jaxpr that
+# ``fun_jaxpr_thunk()`` gives, which takes ``args`` only. The rewritten
+# forward pass returns the collected values after the outputs, and the
+# replacement is that same rewritten forward pass without the residuals,
+# so both give the same extra outputs. Everything it takes is an ordinary
+# argument (``num_consts=0``): the constants and accumulators included.
+
+
+def remat_opt_primal(fwd: _jax.ClosedJaxpr, num_res: int):
+  """The ``fun_jaxpr_thunk`` of a rewritten ``remat_opt`` (cached)."""
+
+  def build():
+    jaxpr = fwd.jaxpr
+    primal = _jax.edit_jaxpr(jaxpr, jaxpr.eqns, jaxpr.outvars[num_res:])
+    return lambda: (primal, [])
+
+  return cached(fwd, ('remat_opt_primal', num_res), build)
+
+
+def bind_remat_opt(fwd: _jax.ClosedJaxpr, args, num_res: int) -> list:
+  """Binds ``remat_opt`` with forward pass ``fwd`` (no constants) on
+  ``args``; the primal is ``fwd`` without its residuals."""
+  return _jax.remat_opt_p.bind(
+      *args,
+      num_consts=0,
+      num_res=num_res,
+      fwd_jaxpr=fwd,
+      fun_jaxpr_thunk=remat_opt_primal(fwd, num_res),
+  )
+
+
+def _remat_opt_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
+  p = eqn.params
+  new_jaxpr, layout, acc_in = collector.prepare(p['fwd_jaxpr'])
+  fwd, consts = _hoisted(new_jaxpr)
+  outs = bind_remat_opt(fwd, [*consts, *acc_in, *invals], p['num_res'])
+  return collector.split_outputs(layout, outs, len(eqn.outvars))
+
+
+collect_rules[_jax.remat_opt_p] = _remat_opt_rule
+construct_names[_jax.remat_opt_p] = '`jax.custom_vjp` (optimize_remat=True)'
+
+
+# ----------------------------------------------------------------------------
+# custom_vmap: the body is rewritten. Unbatched, the rewritten body runs.
+# Batched (a ``jax.vmap`` around the capture, or around a ``jax.jit`` of
+# it), the user's vmap rule runs instead, and what it sows is collected, as
+# under a ``jax.vmap`` inside the capture: its sows must then fill the
+# entries the body's sows laid out.
+
+
+class CollectingVmapRule:
+  """The vmap rule of a rewritten ``custom_vmap_call``.
+
+  Runs the user's ``rule`` on the original arguments and collects its sows
+  into the extra outputs of the rewritten body (``layout``). It keeps the
+  capture's ``accepts_key``, never its ``Collector``: JAX keeps the rule in
+  the staged program.
+  """
+
+  def __init__(
+      self,
+      rule,
+      in_tree,
+      out_tree,
+      n_lead,
+      layout,
+      extra_avals,
+      accepts_key,
+      where_,
+  ):
+    self.rule = rule
+    self.in_tree = in_tree
+    self.out_tree = out_tree
+    self.n_lead = n_lead  # constants and accumulators before the arguments
+    self.layout = layout
+    self.extra_avals = extra_avals  # one example's, per extra output
+    self.accepts_key = accepts_key
+    self.where = where_
+
+  def __str__(self):
+    return str(self.rule)
+
+  def __call__(self, axis_size, in_batched, *args):
+    layout = self.layout
+    if layout.reduced:
+      name = layout.reduced[0].name
+      raise NotImplementedError(
+          f'sow {name!r}{self.where}: a reduced sow inside a'
+          ' `jax.custom_batching.custom_vmap` function that `jax.vmap` maps'
+          ' over from outside the capture, where its vmap rule runs instead'
+          ' of the function. Put the vmap inside the capture'
+          ' (capture(jax.vmap(f))), or sow the value outside the'
+          ' custom_vmap function.'
+      )
+    flags = list(in_batched[self.n_lead :])
+    values = list(args[self.n_lead :])
+    box = []
+
+    def run(*xs):
+      outs, batched = _jax.call_vmap_rule(
+          self.rule, self.in_tree, self.out_tree, axis_size, flags, xs
+      )
+      box.append(batched)
+      return outs
+
+    closed = _jax.trace_to_closed_jaxpr(
+        run, [_jax.typeof(x) for x in values], 'custom_vmap_rule'
+    )
+    inner = Collector(self.accepts_key)
+    outs = eval_collecting(closed.jaxpr, closed.consts, values, inner)
+    extra, extra_batched = self._extra_outputs(inner, axis_size)
+    return [*outs, *extra], [*box[-1], *extra_batched]
+
+  def _extra_outputs(self, inner: Collector, axis_size: int):
+    expected = [(e.name, e.treedef) for e in self.layout.entries]
+    got = [(spec.name, spec.treedef) for spec, _ in inner.entries]
+    if got != expected or inner.accumulators:
+      names = [n for n, _ in expected]
+      name = names[0] if names else next(iter(inner.names))
+      raise NotImplementedError(
+          f'sow {name!r}{self.where}: `jax.vmap` maps over a'
+          ' `jax.custom_batching.custom_vmap` function from outside the'
+          ' capture, so its vmap rule runs instead of the function, and the'
+          f' rule sows {[n for n, _ in got]} where the function sows'
+          f' {names} (same names, order and structure needed). Sow the same'
+          ' values in the rule, or put the vmap inside the capture'
+          ' (capture(jax.vmap(f)) collects what the rule sows).'
+      )
+    leaves = [x for _, ls in inner.entries for x in ls]
+    batched = []
+    for (spec, _), x, aval in zip(
+        [(s, x) for s, ls in inner.entries for x in ls],
+        leaves,
+        self.extra_avals,
+    ):
+      shape, dtype = _jax.typeof(x).shape, _jax.typeof(x).dtype
+      if dtype != aval.dtype or shape not in (
+          aval.shape,
+          (axis_size, *aval.shape),
+      ):
+        raise ValueError(
+            f'sow {spec.name!r}{self.where}: the vmap rule of a'
+            ' `jax.custom_batching.custom_vmap` function sows a'
+            f' {_jax.typeof(x).str_short()} where the function sows a'
+            f' {aval.str_short()} per example; it must sow that value'
+            f' batched ({axis_size} examples first) or unbatched.'
+        )
+      batched.append(shape != aval.shape)
+    return leaves, batched
+
+
+def _custom_vmap_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
+  p = eqn.params
+  new_jaxpr, layout, acc_in = collector.prepare(p['call'])
+  call, consts = _hoisted(new_jaxpr)
+  n_out = len(eqn.outvars)
+  extra_avals = call.out_avals[n_out : n_out + layout.num_entry_leaves]
+  sites = collector.accepted_sites([p['call']])
+  rule = CollectingVmapRule(
+      p['rule'],
+      p['in_tree'],
+      p['out_tree'],
+      len(consts) + len(acc_in),
+      layout,
+      tuple(extra_avals),
+      collector.accepts_key,
+      sites[0].where if sites else '',
+  )
+  outs = _jax.bind_custom_vmap(call, [*consts, *acc_in, *invals], rule)
+  return collector.split_outputs(layout, outs, n_out)
+
+
+collect_rules[_jax.custom_vmap_p] = _custom_vmap_rule
+construct_names[_jax.custom_vmap_p] = '`jax.custom_batching.custom_vmap`'

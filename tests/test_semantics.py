@@ -116,6 +116,10 @@ def _differentiated(name, fn):
       'linearize': lambda x: jax.linearize(loss, x)[1](x),
       'vjp': lambda x: jax.vjp(loss, x)[1](1.0)[0],
       'grad_of_jit': jax.grad(jax.jit(loss)),
+      'grad_of_checkpoint': jax.grad(jax.checkpoint(loss)),
+      'grad_of_checkpoint_dots': jax.grad(
+          jax.checkpoint(loss, policy=jax.checkpoint_policies.dots_saveable)
+      ),
       'hessian_diag': lambda x: jnp.diag(jax.hessian(loss)(x)),
   }[name]
 
@@ -133,6 +137,8 @@ class CustomRuleSkipsPrimalTest(parameterized.TestCase):
           'linearize',
           'vjp',
           'grad_of_jit',
+          'grad_of_checkpoint',
+          'grad_of_checkpoint_dots',
       )
       # JAX has no forward mode (jvp, linearize) for custom_vjp.
       if not (

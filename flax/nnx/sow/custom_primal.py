@@ -16,38 +16,74 @@
 
 When JAX differentiates a ``custom_jvp`` call (``jax.jvp``, ``jax.grad``,
 ``jax.linearize``, ...) it runs the ``jvp`` rule instead of the primal
-function, and for a ``custom_vjp`` the ``fwd`` rule: a rule that computes
-the primal output its own way (``cj.defjvp(lambda p, t: (jnp.sin(p[0]),
-...))``) never runs the primal body, so the sows in it would be lost.
+function, and for a ``custom_vjp`` the ``fwd`` rule. The usual rule calls the
+primal function (``(f(x), ...)``), so the sows in the primal body run, and
+are collected, inside the rule. A rule that computes the primal output its
+own way (``cj.defjvp(lambda p, t: (jnp.sin(p[0]), ...))``) never runs the
+body, and its sows would be lost.
 
 This file owns what a capture does there. While a capture stages (and only
 then: elsewhere, and for calls whose primal body holds no sow, JAX's own
-path runs untouched), a differentiated custom call first evaluates its
-primal body on the primal values, on the parent trace, so its sows are
-collected once with their primal values, as ``capture(f)`` collects them.
-The rule then runs with those names hidden (``primitive.hiding``): a rule
-that calls the primal function again (the common ``(f(x), ...)`` form)
-does not collect them a second time. Sows the rule makes under other names
-(a ``fwd`` rule's own sows) and sows in a ``bwd`` rule are collected as
-before. Where the primal output is not needed, the extra evaluation is
-removed by dead-code elimination under ``jax.jit``, except the sows.
+path runs untouched), a differentiated custom call stages its primal body
+and its rule, and compares the names they sow. Names the rule sows are
+collected from the rule, as before; names only the body sows are collected
+by evaluating the body on the primal values, on the parent trace, with the
+other sows in it made remat copies. So each sow of the body is collected
+once, with its primal value, as ``capture(f)`` collects it. Sows in a
+``bwd`` rule are collected when it runs, as before. Under ``jax.jit``, the
+evaluated body's outputs are unused and removed by dead-code elimination,
+except its sows.
 """
 
 from __future__ import annotations
 
+import functools
+
 from flax.nnx.sow import _jax
 from flax.nnx.sow.capture import sow_sites
-from flax.nnx.sow.primitive import hiding
+from flax.nnx.sow.invariance import without_value_sows_named
 from flax.nnx.sow.primitive import staging_active
 
 
-def _primal_sow_names(closed: _jax.ClosedJaxpr) -> frozenset:
+def _value_sow_names(closed: _jax.ClosedJaxpr) -> frozenset:
   return frozenset(
       s.name for s in sow_sites(closed.jaxpr) if s.kind == 'value'
   )
 
 
-def _differentiated_custom_call(original, trace, args, avals, params, /):
+def _stage(fn, avals, name) -> _jax.ClosedJaxpr:
+  """``fn`` staged at ``avals``; the auxiliary outputs it records are
+  forgotten, so that JAX can call it again."""
+  closed = _jax.trace_to_closed_jaxpr(fn.call_wrapped, avals, name)
+  _jax.reset_stores(fn)
+  return closed
+
+
+def _rule(primitive, trace, args, params) -> _jax.ClosedJaxpr:
+  """The rule the differentiating ``trace`` will run, staged as it calls it:
+  ``jvp`` on primals and (instantiated) tangents, ``fwd`` on primals with
+  flags saying which of them have tangents."""
+  pairs = [trace.to_primal_tangent_pair(x) for x in args]
+  avals = [_jax.typeof(p) for p, _ in pairs]
+  rule = params['subfuns'][1]
+  if primitive is _jax.custom_jvp_call_p:
+    tangents = [a.to_tangent_aval() for a in avals]
+    return _stage(rule, [*avals, *tangents], 'custom_jvp_rule')
+  flags = [type(t) is not _jax.Zero for _, t in pairs]
+
+  def fwd(*primals):
+    return rule.call_wrapped(
+        *[v for p, nz in zip(primals, flags) for v in (p, nz)]
+    )
+
+  closed = _jax.trace_to_closed_jaxpr(fwd, avals, 'custom_vjp_fwd')
+  _jax.reset_stores(rule)
+  return closed
+
+
+def _differentiated_custom_call(
+    primitive, original, trace, args, avals, params, /
+):
   if not (staging_active() and _jax.is_differentiating(trace)):
     return original(trace, args, avals, params)
   if not any(_jax.has_tangent(trace, x) for x in args):
@@ -55,18 +91,21 @@ def _differentiated_custom_call(original, trace, args, avals, params, /):
   fun = params['subfuns'][0]
   primals = [_jax.primal_of(trace, x) for x in args]
   with _jax.set_current_trace(trace.parent_trace):
-    closed = _jax.trace_to_closed_jaxpr(
-        fun.call_wrapped, [_jax.typeof(x) for x in primals], 'custom_primal'
-    )
-  _jax.reset_stores(fun)  # JAX reads the output tree from the rule's call
-  names = _primal_sow_names(closed)
-  if not names:
+    body = _stage(fun, [_jax.typeof(x) for x in primals], 'custom_primal')
+    names = _value_sow_names(body)
+    if names:
+      in_rule = _value_sow_names(_rule(primitive, trace, args, params))
+  if not names or names <= in_rule:
     return original(trace, args, avals, params)
+  # The rule does not run (all of) the body: collect what it misses from the
+  # body itself, once, with the primal values.
+  body = without_value_sows_named(body, in_rule)
   with _jax.set_current_trace(trace.parent_trace):
-    _jax.eval_into_current_trace(closed.jaxpr, closed.consts, primals)
-  with hiding(names):
-    return original(trace, args, avals, params)
+    _jax.eval_into_current_trace(body.jaxpr, body.consts, primals)
+  return original(trace, args, avals, params)
 
 
 for _primitive in (_jax.custom_jvp_call_p, _jax.custom_vjp_call_p):
-  _jax.wrap_bind_with_trace(_primitive, _differentiated_custom_call)
+  _jax.wrap_bind_with_trace(
+      _primitive, functools.partial(_differentiated_custom_call, _primitive)
+  )

@@ -176,6 +176,25 @@ def without_staged_sows(closed: _jax.ClosedJaxpr) -> _jax.ClosedJaxpr:
   return _jax.ClosedJaxpr(_as_remat_copies(closed.jaxpr), closed.consts)
 
 
+def without_value_sows_named(
+    closed: _jax.ClosedJaxpr, names: frozenset
+) -> _jax.ClosedJaxpr:
+  """``closed`` with its staged value sows of ``names`` remat copies (for an
+  evaluation whose sows of those names are collected elsewhere)."""
+  if not names:
+    return closed
+
+  def edit(params, in_custom_call):
+    del in_custom_call
+    if params['kind'] == 'value' and params['name'] in names:
+      return _to_remat_copy(params, False)
+    return None
+
+  return _jax.ClosedJaxpr(
+      _edit_sows_in_jaxpr(closed.jaxpr, edit, False), closed.consts
+  )
+
+
 def _as_remat_copies(jaxpr: _jax.Jaxpr) -> _jax.Jaxpr:
   return _edit_sows_in_jaxpr(jaxpr, _to_remat_copy, False)
 

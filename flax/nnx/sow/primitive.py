@@ -130,20 +130,6 @@ class Intervening:
     )
 
 
-_HIDDEN = jax.make_user_context(frozenset())
-
-
-def hiding(names: tp.Iterable[Name]):
-  """The context in which value sows of ``names`` are bound as remat copies.
-
-  Used while a custom derivative rule runs for a primal whose sows were
-  already collected (``custom_primal.py``): a rule that calls the primal
-  function again must not collect them twice. Part of JAX's tracing cache
-  key, like :func:`staging`.
-  """
-  return _HIDDEN(_HIDDEN.value | frozenset(names))
-
-
 def staging_active() -> bool:
   return bool(_STAGING.value)
 
@@ -190,9 +176,7 @@ def bind_sow(
       batch_dims=batch_dims,
       n_closure=len(closure),
       effect=staging_active(),
-      remat_copy=bool(_HIDDEN.value)
-      and kind == 'value'
-      and name in _HIDDEN.value,
+      remat_copy=False,
       **extra,
   )
 

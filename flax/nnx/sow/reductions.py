@@ -64,11 +64,17 @@ class Reduction:
   ``Module.sow`` does), so two sites of one name may hold different function
   objects, e.g. lambdas written inline. Compared by identity. ``snapshot``
   is set for a sow staged inside a capture (see the module docstring).
+
+  ``fixed_type``: the accumulator keeps its structure, shape and dtype at
+  every fold (the functional ``sow``). ``False`` (``Module.sow``, as in Flax)
+  lets a fold change it where the fold runs in Python, not carried by a
+  loop or branch (``capture.Collector.reduce``).
   """
 
   reduce_fn: tp.Callable[[tp.Any, tp.Any], tp.Any]
   init_fn: tp.Callable[[], tp.Any]
   snapshot: Snapshot | None = None
+  fixed_type: bool = True
 
 
 _jax.weak_cache_key(Reduction)

@@ -139,10 +139,9 @@ def functional_graph_call(
   ]
   nodes = [leaves[i] for i in positions]
   named_args, named_kwargs = (args, kwargs) if root_args is None else root_args
+  user_f = f if refers_to is None else refers_to
   scope.add_roots(
-      named_args,
-      named_kwargs,
-      referenced_graph_nodes(f if refers_to is None else refers_to),
+      named_args, named_kwargs, user_f, referenced_graph_nodes(user_f)
   )
   if any(isinstance(x, np.ndarray) for x in leaves):
     # NumPy arrays reach ``f`` as JAX arrays, as they would traced.

@@ -176,6 +176,16 @@ def _graph_nodes(node) -> tp.Iterator[tuple[Path, tp.Any]]:
 EXACT, MERGED = 'exact', 'merged'
 
 
+def _parameter_names(f) -> list[str]:
+  """The names of ``f``'s positional parameters (``[]`` if unknown)."""
+  try:
+    params = inspect.signature(f).parameters.values()
+  except (TypeError, ValueError):
+    return []
+  kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+  return [p.name for p in params if p.kind in kinds]
+
+
 def _holds_module(node) -> bool:
   return any(isinstance(obj, nnx.Module) for _, obj in _graph_nodes(node))
 
@@ -233,27 +243,39 @@ class Scope:
   def accepts(self, tag) -> bool:
     return self.types is None or tag in self.types
 
-  def add_roots(self, args: tuple, kwargs: dict, referenced) -> None:
+  def add_roots(self, args: tuple, kwargs: dict, f, referenced) -> None:
     """Names the roots: see the module docstring.
 
-    ``referenced`` is :func:`referenced_graph_nodes` of the function.
+    ``f`` is the function the arguments are for; ``referenced`` is
+    :func:`referenced_graph_nodes` of it.
     """
-    candidates = [
+    from_args = [
         *(n for i, a in enumerate(args) for n in _nodes_in(a, (i,))),
         *(n for k in sorted(kwargs) for n in _nodes_in(kwargs[k], (k,))),
-        *referenced,
     ]
-    kept: list[tuple[tp.Any, Path]] = []
+    candidates = [(n, p, True) for n, p in from_args]
+    candidates += [(n, p, False) for n, p in referenced]
+    kept: list[tuple[tp.Any, Path, bool]] = []
     inside: set[int] = set()  # every graph node under a kept root
-    for node, path in candidates:
+    for node, path, is_arg in candidates:
       if id(node) in inside or not _holds_module(node):
         continue
-      kept.append((node, path))
+      kept.append((node, path, is_arg))
       inside.update(id(obj) for _, obj in _graph_nodes(node))
     if len(kept) == 1:
-      kept = [(kept[0][0], ())]
+      kept = [(kept[0][0], (), True)]
+    elif len({is_arg for _, _, is_arg in kept}) == 2:
+      # Arguments next to variables: arguments by parameter name too, so
+      # the keys of one level are all strings (an nnx.State sorts them).
+      names = _parameter_names(f)
+      kept = [
+          (node, (names[p[0]], *p[1:]), True)
+          if is_arg and isinstance(p[0], int) and p[0] < len(names)
+          else (node, p, is_arg)
+          for node, p, is_arg in kept
+      ]
     owners: dict[Path, tp.Any] = {}
-    for node, path in kept:
+    for node, path, _ in kept:
       other = owners.setdefault(path, node)
       if other is not node:
         self.shared[path] = (

@@ -500,7 +500,8 @@ class RootNamingTest(PathsTestCase):
   def test_shared_name_raises(self):
     # The argument SHARED (named by its parameter, next to a referenced
     # module) and the global SHARED that _use_shared reads are two modules.
-    f = lambda x, SHARED: SHARED(x) + _use_shared(x)  # pylint: disable=invalid-name
+    # pylint: disable-next=invalid-name
+    f = lambda x, SHARED: SHARED(x) + _use_shared(x)
     with self.assertRaisesRegex(
         ValueError,
         r"Module.sow\(Intermediate, 'act'\) in Act: the module would be"

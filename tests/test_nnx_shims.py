@@ -708,7 +708,9 @@ class TypeChangingReductionTest(parameterized.TestCase):
         sow(v, name='h', init_fn=lambda: jnp.zeros(()), reduce_fn=jnp.maximum)
       return xs
 
-    with self.assertRaisesRegex(ValueError, r"sow 'h'.*changed the accumulator"):
+    with self.assertRaisesRegex(
+        ValueError, r"sow 'h'.*changed the accumulator"
+    ):
       capture(f)(XS)
 
 
@@ -735,9 +737,9 @@ class PerturbSameNameTest(parameterized.TestCase):
       def loss(model, perturbations, x):
         return nnx.capture(model, nnx.Intermediate, init=perturbations)(x)
 
-      (_, perturb_grads), sown = nnx.grad(
-          loss, argnums=(0, 1), has_aux=True
-      )(model, perturbations, x)
+      (_, perturb_grads), sown = nnx.grad(loss, argnums=(0, 1), has_aux=True)(
+          model, perturbations, x
+      )
       return perturbations, perturb_grads, sown
 
     if jit:

@@ -623,8 +623,13 @@ class Collector:
     for spec in layout.reduced:
       n = len(spec.avals)
       acc = self.accumulators.get(spec.name)
-      if not self.python_folds and acc is not None and (
-          spec.treedef != acc.treedef or not _same_types(spec.avals, acc.avals)
+      if (
+          not self.python_folds
+          and acc is not None
+          and (
+              spec.treedef != acc.treedef
+              or not _same_types(spec.avals, acc.avals)
+          )
       ):
         raise ValueError(
             f'sow {spec.name!r}: reduce_fn changed the accumulator from'

@@ -119,13 +119,20 @@ def _is_array_tree(value) -> bool:
 
 # Flax 0.12.8's messages, verbatim at the start, so that warning filters
 # written for Flax (``message=...`` is matched from the start) keep matching.
-_FLAX_SOW_MESSAGE = """Using 'Module.sow()' outside of 'nnx.capture()' is deprecated; see
-        https://flax.readthedocs.io/en/latest/guides/extracting_intermediates.html for more information.
-        """
-_FLAX_PERTURB_MESSAGE = """
-      Using 'Module.perturb()' outside of 'nnx.capture()' is deprecated; see
-      https://flax.readthedocs.io/en/latest/guides/extracting_intermediates.html for more information.
-      """
+_FLAX_GUIDE = (
+    'https://flax.readthedocs.io/en/latest/guides/extracting_intermediates.html'
+    ' for more information.\n'
+)
+_FLAX_SOW_MESSAGE = (
+    "Using 'Module.sow()' outside of 'nnx.capture()' is deprecated; see\n"
+    + ' ' * 8
+    + _FLAX_GUIDE
+    + ' ' * 8
+)
+_FLAX_PERTURB_MESSAGE = (
+    "\n      Using 'Module.perturb()' outside of 'nnx.capture()' is deprecated;"
+    ' see\n' + ' ' * 6 + _FLAX_GUIDE + ' ' * 6
+)
 _LEGACY_NOTE = (
     '(flax.nnx.sow: the value is kept in the attribute {name!r} of the'
     ' module; run the call under nnx.capture(...) or flax.nnx.sow.capture'
@@ -257,14 +264,19 @@ def module_sow(
   Inside a capture that knows this module, emits ``sow(value, name=(*path,
   name), tag=variable_type)``, where ``path`` is the module's path from the
   captured root. Flax's default ``reduce_fn``/``init_fn`` (a tuple of values)
-  is a plain sow; any other pair is a reduced sow, whose accumulator is
-  carried through loops. The module's path comes from ``paths.py``: a
-  module among the capture's arguments or referred to by the captured
-  function, one inside them, a copy an NNX transform or ``nnx.merge`` made
-  of one, or an object ``nnx.merge`` built from a graphdef split before the
-  capture (a root at ``()``). Outside any capture it keeps Flax's legacy
-  behaviour: the value goes to a Variable attribute named ``name`` (read it
-  with ``nnx.pop``), with a ``DeprecationWarning``.
+  is a plain sow; any other pair (or an ``init=`` value for this name) is a
+  reduced sow, whose accumulator is carried through loops. As in Flax, its
+  ``reduce_fn`` may change the accumulator's type (``jnp.maximum`` from a
+  scalar ``init_fn``, a tuple that grows) where the fold runs once per sow in
+  Python: at the capture's top level and in ``jax.jit``/``nnx.jit`` bodies;
+  inside a loop, branch or ``vmap`` the type is fixed (``ValueError`` naming
+  the sow). The module's path comes from ``paths.py``: a module among the
+  capture's arguments or referred to by the captured function, one inside
+  them, a copy an NNX transform or ``nnx.merge`` made of one, or an object
+  ``nnx.merge`` built from a graphdef split before the capture. Outside any
+  capture it keeps Flax's legacy behaviour: the value goes to a Variable
+  attribute named ``name`` (read it with ``nnx.pop``), with Flax's
+  ``DeprecationWarning`` (its message begins as Flax's).
 
   Returns:
     ``True`` when an active capture collects ``variable_type`` exactly (or,
@@ -273,7 +285,7 @@ def module_sow(
   Raises:
     ValueError: inside a capture that collects ``variable_type``, when no
       capture can name this module (e.g. it was created inside the captured
-      function).
+      function), or when its path would be shared with another module's.
   """
   variable_type = _variable_type(variable_type, 'Module.sow')
   located = _locate(self, variable_type, name, 'sow')
@@ -328,7 +340,9 @@ def module_perturb(self, name: str, value, variable_type=nnx.Perturbation):
   init = scope.init.get(full)
   if init is not None and init[0] is variable_type:
     if accepted:
-      _core_sow(init[1], name=_zeros_name(full), tag=PerturbationInit(variable_type))
+      _core_sow(
+          init[1], name=_zeros_name(full), tag=PerturbationInit(variable_type)
+      )
     return jax.tree.map(operator.add, init[1], value)
   if accepted and scope.kind == 'nnx':
     # nnx.capture returns zeros for a perturbation nothing differentiates

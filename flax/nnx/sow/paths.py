@@ -182,7 +182,10 @@ def _parameter_names(f) -> list[str]:
     params = inspect.signature(f).parameters.values()
   except (TypeError, ValueError):
     return []
-  kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+  kinds = (
+      inspect.Parameter.POSITIONAL_ONLY,
+      inspect.Parameter.POSITIONAL_OR_KEYWORD,
+  )
   return [p.name for p in params if p.kind in kinds]
 
 
@@ -207,7 +210,9 @@ def _keys(keypath) -> Path:
 def _nodes_in(tree, prefix: Path) -> list[tuple[tp.Any, Path]]:
   leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_graph_leaf)
   return [
-      (leaf, (*prefix, *_keys(kp))) for kp, leaf in leaves if is_graph_node(leaf)
+      (leaf, (*prefix, *_keys(kp)))
+      for kp, leaf in leaves
+      if is_graph_node(leaf)
   ]
 
 

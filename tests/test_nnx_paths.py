@@ -282,13 +282,22 @@ class ClosedOverTest(PathsTestCase):
     model = Model()
     out, collected = jax.jit(capture(lambda x: model(x)))(X)
     self.assert_acts(collected, model, out=out)
+    other = Model(1)
     _, intermediates = nnx.capture(
         lambda m, x: m(x) + model.blocks[0](x), nnx.Intermediate
-    )(Model(1), X)
-    # The argument is the root; the closed-over model is a root too, so its
-    # block sows under the same path and comes second.
-    self.assertLen(intermediates['blocks'][0]['act'], 2)
-    close(intermediates['blocks'][0]['act'][1], model.blocks[0].linear(X))
+    )(other, X)
+    # Two roots, an argument and a closed-over model: each is named by the
+    # variable that holds it, and nothing is shared.
+    self.assertEqual(sorted(intermediates), ['m', 'model'])
+    acts, _ = expected_acts(other, X)
+    close(intermediates['m']['blocks'][0]['act'][0], acts[0])
+    close(intermediates['m']['blocks'][1]['act'][0], acts[1])
+    self.assertEqual(list(intermediates['model']['blocks']), [0])
+    self.assertLen(intermediates['model']['blocks'][0]['act'], 1)
+    close(
+        intermediates['model']['blocks'][0]['act'][0],
+        model.blocks[0].linear(X),
+    )
 
 
 GLOBAL_MODEL = Model(2)
@@ -389,6 +398,133 @@ class TransformCopiesTest(PathsTestCase):
       close(collected[NAMES[1]][0][k], acts[1])
 
 
+class Act(nnx.Module):
+  """Sows ``scale * x`` as 'act'."""
+
+  def __init__(self, scale):
+    self.scale = nnx.Param(jnp.asarray(scale, jnp.float32))
+
+  def __call__(self, x):
+    y = x * self.scale[...]
+    self.sow(nnx.Intermediate, 'act', y)
+    return y
+
+
+ENC, DEC = Act(2.0), Act(3.0)
+
+
+def _encode_decode_globals(x):
+  return DEC(ENC(x))
+
+
+class RootNamingTest(PathsTestCase):
+  """Several roots: by argument position, or by the variable holding them."""
+
+  def check(self, collected, names, x=X):
+    # enc(x) = 2x, dec(enc(x)) = 6x.
+    self.assertEqual(list(collected), names)
+    for name, want in zip(names, (2.0 * x, 6.0 * x)):
+      self.assertLen(collected[name], 1)
+      close(collected[name][0], want)
+
+  @parameterized.parameters('eager', 'jit')
+  def test_two_arguments(self, mode):
+    enc, dec = Act(2.0), Act(3.0)
+    f = capture(lambda a, b, x: b(a(x)))
+    if mode == 'jit':
+      f = jax.jit(f)
+    _, collected = f(enc, dec, X)
+    self.check(collected, [(0, 'act'), (1, 'act')])
+    # Keyword arguments by name; modules in a container by their place.
+    _, collected = capture(lambda x, *, a, b: b(a(x)))(X, a=enc, b=dec)
+    self.check(collected, [('a', 'act'), ('b', 'act')])
+    _, collected = capture(lambda ms, x: ms[1](ms[0](x)))([enc, dec], X)
+    self.check(collected, [(0, 0, 'act'), (0, 1, 'act')])
+
+  def test_two_arguments_nnx_capture(self):
+    enc, dec = Act(2.0), Act(3.0)
+    _, state = nnx.capture(lambda a, b, x: b(a(x)), nnx.Intermediate)(
+        enc, dec, X
+    )
+    self.assertEqual(sorted(state), [0, 1])
+    close(state[0]['act'][0], 2.0 * X)
+    close(state[1]['act'][0], 6.0 * X)
+
+  @parameterized.parameters('eager', 'jit')
+  def test_closed_over_and_globals(self, mode):
+    enc, dec = Act(2.0), Act(3.0)
+    f = capture(lambda x: dec(enc(x)))
+    g = capture(_encode_decode_globals)
+    if mode == 'jit':
+      f, g = jax.jit(f), jax.jit(g)
+    self.check(f(X)[1], [('enc', 'act'), ('dec', 'act')])
+    self.check(g(X)[1], [('ENC', 'act'), ('DEC', 'act')])
+
+  def test_jit_closing_over_tracer(self):
+    enc, dec = Act(2.0), Act(3.0)
+
+    @jax.jit
+    def outer(x):
+      shift = jnp.sum(x)  # a tracer of the enclosing jit
+      _, collected = capture(lambda a, b: b(a(x + shift)))(enc, dec)
+      return collected
+
+    self.check(outer(X), [(0, 'act'), (1, 'act')], x=X + np.sum(X))
+
+  def test_one_root_keeps_flax_paths(self):
+    # One module (maybe referred to twice, or with a submodule referred to
+    # as well): paths from it, exactly as Flax's own nnx.capture gives them.
+    model = Model()
+
+    def run():
+      return nnx.capture(
+          lambda m, x: m(x) + model.blocks[1](x), nnx.Intermediate
+      )(model, X)[1]
+
+    state = run()
+    nnx_shims.uninstall()
+    try:
+      with warnings.catch_warnings():
+        warnings.simplefilter('ignore', DeprecationWarning)
+        want = run()
+    finally:
+      nnx_shims.install()
+    self.assertEqual(
+        jax.tree.structure(nnx.to_pure_dict(state)),
+        jax.tree.structure(nnx.to_pure_dict(want)),
+    )
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(want)):
+      close(a, b)
+    self.assertLen(state['blocks'][1]['act'], 2)  # called twice
+
+  def test_shared_name_raises(self):
+    # The argument SHARED (named by its parameter, next to a referenced
+    # module) and the global SHARED that _use_shared reads are two modules.
+    # pylint: disable-next=invalid-name
+    f = lambda x, SHARED: SHARED(x) + _use_shared(x)
+    with self.assertRaisesRegex(
+        ValueError,
+        r"Module.sow\(Intermediate, 'act'\) in Act: the module would be"
+        r" named \('SHARED',\), but two modules.*both roots",
+    ):
+      capture(f)(X, Act(7.0))
+
+  def test_merged_unknown_graphdef_next_to_a_root_raises(self):
+    graphdef, state = nnx.split(Model())
+    enc = Act(2.0)
+    with self.assertRaisesRegex(
+        ValueError, r"Module.sow\(Intermediate, 'act'\) in Block.*graphdef"
+    ):
+      capture(lambda s, x: nnx.merge(graphdef, s)(enc(x)))(state, X)
+
+
+SHARED = Act(5.0)
+
+
+def _use_shared(x):
+  return SHARED(x)
+
+
 class UnnamedModuleTest(PathsTestCase):
   """A module no capture can name is an error, never a dropped value."""
 
@@ -402,22 +538,19 @@ class UnnamedModuleTest(PathsTestCase):
       capture(make_and_call)(X)
     self.assertEqual(paths.LOCAL.scopes, [])
 
-  def test_plain_jax_transform_copy_of_identical_siblings(self):
-    # jax.jit copies a Module passed to it as a pytree; the copies of the
-    # two blocks cannot be told apart (nothing links a copy to the original).
+  def test_plain_jax_transform_copy(self):
+    # jax.jit copies a Module passed to it as a pytree; nothing links the
+    # copy to the original (matching structures would be a guess), so the
+    # sow raises, pointing to nnx.jit.
     model = Model()
-    with self.assertRaisesRegex(
-        ValueError, r"\('blocks', 0\), \('blocks', 1\).*nnx.jit"
-    ):
-      capture(lambda m, x: jax.jit(lambda m, x: m(x))(m, x))(model, X)
-    # Closing over the module, or a unique structure, works.
+    for module in (model, Block(nnx.Rngs(3))):
+      with self.assertRaisesRegex(
+          ValueError, r"Module.sow\(Intermediate, 'act'\).*nnx.jit"
+      ):
+        capture(lambda m, x: jax.jit(lambda m, x: m(x))(m, x))(module, X)
+    # Closing over the module works.
     out, collected = capture(lambda m, x: jax.jit(lambda x: m(x))(x))(model, X)
     self.assert_acts(collected, model, out=out)
-    block = Block(nnx.Rngs(3))
-    _, collected = capture(lambda b, x: jax.jit(lambda b, x: b(x))(b, x))(
-        block, X
-    )
-    close(collected[('act',)][0], block.linear(X))
 
   def test_not_requested_is_not_an_error(self):
     def make_and_call(x):

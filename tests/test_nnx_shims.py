@@ -23,6 +23,8 @@ ones Flax 0.12.8's ``nnx.capture`` gets wrong.
 
 from __future__ import annotations
 
+import functools
+import re
 import warnings
 
 from absl.testing import absltest
@@ -33,7 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import flax.nnx.sow  # noqa: F401  (installs the shims)
+from flax.nnx.sow import capture
 from flax.nnx.sow import nnx_shims
+from flax.nnx.sow import sow
 from flax.nnx.sow import state as state_lib
 
 nnx_shims.install()
@@ -523,6 +527,309 @@ class GrowingReductionTest(absltest.TestCase):
     self.assertLen(value, 2)
     close(value[0], x)
     close(value[1], 2.0 * x)
+
+
+def flax_original(fn):
+  """``fn()`` with Flax 0.12.8's own ``Module.sow``/``perturb``/``capture``."""
+  nnx_shims.uninstall()
+  try:
+    with warnings.catch_warnings():
+      warnings.simplefilter('ignore', DeprecationWarning)
+      return fn()
+  finally:
+    nnx_shims.install()
+
+
+ZEROS, ONES = np.zeros(2, np.float32), np.ones(2, np.float32)
+
+
+class Switch(nnx.Module):
+  """Sows zeros then ones as 'h': reduced (keep the last) when ``flag``."""
+
+  def __init__(self, init):
+    self.flag = False
+    self.init = init
+
+  def __call__(self, x):
+    for v in (0.0 * x, x):
+      if self.flag:
+        self.sow(
+            nnx.Intermediate,
+            'h',
+            v,
+            reduce_fn=lambda p, c: c,
+            init_fn=self.init,
+        )
+      else:
+        self.sow(nnx.Intermediate, 'h', v)
+    return x
+
+
+class NoLeakAcrossCallsTest(parameterized.TestCase):
+  """What one capture saw never changes what a later capture returns."""
+
+  @parameterized.product(
+      init=['array', 'tuple', 'dict'], transform=['plain', 'nnx_jit', 'jit']
+  )
+  def test_alternating_reduction(self, init, transform):
+    init_fn = {
+        'array': lambda: jnp.zeros(2),
+        'tuple': lambda: (),
+        'dict': lambda: {},
+    }[init]
+    model = Switch(init_fn)
+    if transform == 'plain':
+      run = nnx.capture(model, nnx.Intermediate)
+    elif transform == 'nnx_jit':
+      run = functools.partial(
+          nnx.capture(nnx.jit(lambda m, x: m(x)), nnx.Intermediate), model
+      )
+    else:
+      run = lambda x: jax.jit(
+          lambda x: nnx.capture(model, nnx.Intermediate)(x)
+      )(x)
+    for flag in (True, False, True, False, False, True):
+      model.flag = flag
+      _, state = run(jnp.ones(2))
+      value = state['h'].get_value()
+      if flag:  # reduce_fn keeps the last value
+        close(value, ONES)
+      else:  # Flax's default: a tuple of both values, in call order
+        self.assertIsInstance(value, tuple)
+        self.assertLen(value, 2)
+        close(value[0], ZEROS)
+        close(value[1], ONES)
+
+  def test_same_as_flax(self):
+    model = Switch(lambda: ())
+    got, want = [], []
+    for flag in (True, False):
+      model.flag = flag
+      got.append(nnx.capture(model, nnx.Intermediate)(jnp.ones(2))[1])
+      want.append(
+          flax_original(
+              lambda: nnx.capture(model, nnx.Intermediate)(jnp.ones(2))[1]
+          )
+      )
+    for g, w in zip(got, want):
+      close(jax.tree.leaves(g), jax.tree.leaves(w))
+      self.assertEqual(
+          jax.tree.structure(g['h'].get_value()),
+          jax.tree.structure(w['h'].get_value()),
+      )
+
+
+class Maximum(nnx.Module):
+
+  def __call__(self, xs):
+    for v in xs:
+      self.sow(
+          nnx.Intermediate,
+          'h',
+          v,
+          init_fn=lambda: jnp.zeros(()),
+          reduce_fn=jnp.maximum,
+      )
+    return xs
+
+
+XS = np.array([[1.0, 5.0], [4.0, 2.0]], np.float32)
+
+
+class TypeChangingReductionTest(parameterized.TestCase):
+  """Outside loops a Module.sow fold may change the accumulator's type."""
+
+  @parameterized.parameters('plain', 'nnx_jit', 'jit')
+  def test_python_loop(self, transform):
+    model = Maximum()
+    if transform == 'plain':
+      _, state = nnx.capture(model, nnx.Intermediate)(XS)
+    elif transform == 'nnx_jit':
+      _, state = nnx.capture(nnx.jit(lambda m, x: m(x)), nnx.Intermediate)(
+          model, XS
+      )
+    else:
+      _, state = jax.jit(lambda x: nnx.capture(model, nnx.Intermediate)(x))(XS)
+    close(state['h'].get_value(), [4.0, 5.0])  # max(0, 1, 4), max(0, 5, 2)
+
+  def test_same_as_flax(self):
+    want = flax_original(lambda: nnx.capture(Maximum(), nnx.Intermediate)(XS))
+    _, state = nnx.capture(Maximum(), nnx.Intermediate)(XS)
+    close(state['h'].get_value(), want[1]['h'].get_value())
+
+  def test_growing_tuple_under_nnx_jit(self):
+    class Appends(nnx.Module):
+
+      def __call__(self, x):
+        kw = dict(reduce_fn=lambda c, v: (*c, v), init_fn=lambda: ())
+        self.sow(nnx.Intermediate, 'a', x, **kw)
+        self.sow(nnx.Intermediate, 'a', 2.0 * x, **kw)
+        return x
+
+    x = np.array([1.0, -1.0], np.float32)
+    fwd = nnx.capture(nnx.jit(lambda m, x: m(x)), nnx.Intermediate)
+    for _ in range(2):  # the second call hits nnx.jit's cache
+      _, state = fwd(Appends(), x)
+      value = state['a'].get_value()
+      self.assertLen(value, 2)
+      close(value[0], x)
+      close(value[1], 2.0 * x)
+
+  @parameterized.parameters('lax_scan', 'nnx_scan')
+  def test_carried_by_a_loop_raises(self, loop):
+    class Scanned(nnx.Module):
+
+      def __call__(self, xs):
+        def body(c, x):
+          self.sow(
+              nnx.Intermediate,
+              'h',
+              x,
+              init_fn=lambda: jnp.zeros(()),
+              reduce_fn=jnp.maximum,
+          )
+          return c, None
+
+        if loop == 'lax_scan':
+          return jax.lax.scan(body, 0.0, xs)[0]
+        return nnx.scan(
+            lambda m, c, x: body(c, x), in_axes=(None, nnx.Carry, 0)
+        )(self, 0.0, xs)[0]
+
+    with self.assertRaisesRegex(
+        ValueError,
+        r"sow \('h',\).*float32\[\]\] to .*float32\[2\].*Module.sow lets",
+    ):
+      nnx.capture(Scanned(), nnx.Intermediate)(XS)
+
+  def test_functional_sow_keeps_the_fixed_type_rule(self):
+    def f(xs):
+      for v in xs:
+        sow(v, name='h', init_fn=lambda: jnp.zeros(()), reduce_fn=jnp.maximum)
+      return xs
+
+    with self.assertRaisesRegex(
+        ValueError, r"sow 'h'.*changed the accumulator"
+    ):
+      capture(f)(XS)
+
+
+class PerturbSameNameTest(parameterized.TestCase):
+  """``sow(Intermediate, 'h')`` and ``perturb('h')``: two types, two States."""
+
+  class Model(nnx.Module):
+
+    def __init__(self):
+      self.w = nnx.Param(jnp.asarray([1.0, 2.0]))
+
+    def __call__(self, x):
+      h = x * self.w[...]
+      self.sow(nnx.Intermediate, 'h', h)
+      h = self.perturb('h', h)
+      return jnp.sum(3.0 * h**2)
+
+  X = np.array([0.5, -1.0], np.float32)
+
+  def four_steps(self, model, jit):
+    _, perturbations = nnx.capture(model, nnx.Perturbation)(self.X)
+
+    def train_step(model, perturbations, x):
+      def loss(model, perturbations, x):
+        return nnx.capture(model, nnx.Intermediate, init=perturbations)(x)
+
+      (_, perturb_grads), sown = nnx.grad(loss, argnums=(0, 1), has_aux=True)(
+          model, perturbations, x
+      )
+      return perturbations, perturb_grads, sown
+
+    if jit:
+      train_step = nnx.jit(train_step)
+    return train_step(model, perturbations, self.X)
+
+  @parameterized.parameters(False, True)
+  def test_four_steps(self, jit):
+    model = self.Model()
+    zeros, grads, sown = self.four_steps(model, jit)
+    h = self.X * np.array([1.0, 2.0])
+    close(zeros['h'].get_value(), np.zeros(2))
+    close(grads['h'].get_value(), 6.0 * h)  # d sum(3 h^2) / dh
+    self.assertLen(sown['h'].get_value(), 1)
+    close(sown['h'].get_value()[0], h)
+    want = flax_original(lambda: self.four_steps(self.Model(), jit))
+    for got_state, want_state in zip((zeros, grads, sown), want):
+      close(jax.tree.leaves(got_state), jax.tree.leaves(want_state))
+
+  def test_direct(self):
+    model = self.Model()
+    h = self.X * np.array([1.0, 2.0])
+    _, grads = nnx.capture(nnx.grad(lambda m, x: m(x)), nnx.Perturbation)(
+        model, self.X
+    )
+    close(grads['h'].get_value(), 6.0 * h)
+    _, grads, sown = nnx.capture(
+        nnx.grad(lambda m, x: m(x)), nnx.Perturbation, nnx.Intermediate
+    )(model, self.X)
+    close(grads['h'].get_value(), 6.0 * h)
+    close(sown['h'].get_value()[0], h)
+
+
+class LegacyWarningTest(parameterized.TestCase):
+  """Outside any capture: Flax's DeprecationWarning, so filters match."""
+
+  class Both(nnx.Module):
+
+    def __call__(self, x):
+      self.sow(nnx.Intermediate, 'h', x)
+      return self.perturb('q', x)
+
+  def warnings_seen(self, message):
+    with warnings.catch_warnings(record=True) as seen:
+      warnings.simplefilter('error', DeprecationWarning)  # -W error::...
+      warnings.filterwarnings(
+          'ignore', message=message, category=DeprecationWarning
+      )
+      try:
+        self.Both()(jnp.ones(2))
+      except DeprecationWarning as e:
+        return str(e).lstrip()[:32]
+    return [str(w.message) for w in seen]
+
+  @parameterized.parameters(
+      re.escape("Using 'Module.sow()' outside of 'nnx.capture()'"),
+      "Using 'Module.sow()' outside of 'nnx.capture()'",
+      r"\s*Using 'Module.perturb\(\)' outside of 'nnx.capture\(\)'",
+      r"\s*Using 'Module\.(sow|perturb)\(\)' outside of 'nnx.capture\(\)'",
+  )
+  def test_filters_match_as_for_flax(self, message):
+    self.assertEqual(
+        self.warnings_seen(message),
+        flax_original(lambda: self.warnings_seen(message)),
+    )
+
+  def test_messages_begin_as_flax(self):
+    with warnings.catch_warnings(record=True) as seen:
+      warnings.simplefilter('always')
+      self.Both()(jnp.ones(2))
+    messages = [str(w.message) for w in seen]
+    self.assertLen(messages, 2)
+    self.assertTrue(
+        messages[0].startswith(
+            "Using 'Module.sow()' outside of 'nnx.capture()' is deprecated"
+        )
+    )
+    self.assertTrue(
+        messages[1].startswith(
+            "\n      Using 'Module.perturb()' outside of 'nnx.capture()' is"
+            ' deprecated'
+        )
+    )
+    # Ignoring by Flax's text silences the shim's warnings.
+    with warnings.catch_warnings():
+      warnings.simplefilter('error', DeprecationWarning)
+      warnings.filterwarnings(
+          'ignore', message=r"\s*Using 'Module\.(sow|perturb)\(\)' outside"
+      )
+      self.Both()(jnp.ones(2))
 
 
 class StateConversionTest(absltest.TestCase):

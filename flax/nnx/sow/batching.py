@@ -338,7 +338,10 @@ def _sow_reduced_again(sites, index, values, dims, axis_size) -> None:
         tag=p['tag'],
         treedef=treedef,
         reduction=Reduction(
-            _masked(original.reduce_fn), original.init_fn, snapshot
+            _masked(original.reduce_fn),
+            original.init_fn,
+            snapshot,
+            original.fixed_type,
         ),
         kind=p['kind'],
         batch_dims=batch_dims,

@@ -333,7 +333,15 @@ class Collector:
 
   A scope is the top-level jaxpr or a sub-jaxpr being rewritten by a rule.
   Plain names collect a list of entries; reduced names keep one accumulator.
+
+  ``python_folds``: every sow here is folded once, in Python, when it is
+  reached (the top level of a capture, the body of a ``jit``), so a
+  ``Module.sow`` reduction (``Reduction.fixed_type=False``) may change the
+  accumulator's type, as in Flax. Elsewhere a loop or branch carries the
+  accumulator, and its type is fixed.
   """
+
+  python_folds = False
 
   def __init__(self, accepts_key: frozenset | None):
     self.accepts_key = accepts_key
@@ -479,15 +487,24 @@ class Collector:
       )
       new_leaves = tuple(strong(x) for x in new_leaves)
       new_avals = tuple(_jax.typeof(x) for x in new_leaves)
-      if new_treedef != acc.treedef or not _same_types(new_avals, acc.avals):
+      changed = new_treedef != acc.treedef or not _same_types(
+          new_avals, acc.avals
+      )
+      if changed and (
+          reduction.fixed_type or batch_dims or not self.python_folds
+      ):
         raise ValueError(
             f'sow {name!r}{where_}: reduce_fn changed the accumulator from'
             f' {_describe(acc.treedef, acc.avals)} to'
             f' {_describe(new_treedef, new_avals)}. The accumulator must keep'
             ' its structure, shape and dtype; make init_fn() return a value'
             ' of the type reduce_fn produces (e.g. with the right dtype).'
+            + _CARRIED_NOTE * (not reduction.fixed_type)
         )
+      treedef_box[:] = [new_treedef]
       return new_leaves
+
+    treedef_box = [acc.treedef]
 
     if batch_dims:
       # Values sown under vmap: one reduction per example, in order.
@@ -500,7 +517,7 @@ class Collector:
       )
     else:
       new_leaves = step(acc.leaves, leaves, closure)
-    self.accumulators[name] = Accumulator(acc.treedef, tuple(new_leaves))
+    self.accumulators[name] = Accumulator(treedef_box[0], tuple(new_leaves))
 
   def on_sow(self, eqn: _jax.JaxprEqn, invals: list[tp.Any]) -> list[tp.Any]:
     p = eqn.params
@@ -624,17 +641,19 @@ class Collector:
     return tuple(specs.values())
 
   def prepare(
-      self, jaxpr: _jax.ClosedJaxpr
+      self, jaxpr: _jax.ClosedJaxpr, python_folds: bool = False
   ) -> tuple[_jax.ClosedJaxpr, Layout, list[tp.Any]]:
     """What a rule for a one-body primitive needs, in one call.
 
     Returns:
       ``(rewritten, layout, accumulators)``: ``jaxpr`` rewritten for this
       capture (see :meth:`rewrite`), the layout of its extra outputs, and the
-      accumulator leaves to pass as its leading inputs.
+      accumulator leaves to pass as its leading inputs. ``python_folds``:
+      the sub-jaxpr runs once per equation, its sows folded in order (a
+      ``jit``, see :class:`Collector`).
     """
     specs = self.reduced_specs([jaxpr])
-    rewritten, layout = self.rewrite(jaxpr, specs)
+    rewritten, layout = self.rewrite(jaxpr, specs, python_folds)
     return rewritten, layout, self.accumulator_leaves(specs)
 
   def vary_accumulators(
@@ -662,14 +681,17 @@ class Collector:
     return [x for s in specs for x in self.accumulators[s.name].leaves]
 
   def rewrite(
-      self, jaxpr: _jax.ClosedJaxpr, specs: tuple[ReducedSpec, ...]
+      self,
+      jaxpr: _jax.ClosedJaxpr,
+      specs: tuple[ReducedSpec, ...],
+      python_folds: bool = False,
   ) -> tuple[_jax.ClosedJaxpr, Layout]:
     """``jaxpr`` with what this capture collects in it as extra outputs.
 
     See :class:`Layout` for the signature. Cached per (jaxpr, tags,
     accumulator types), so re-binding a rewritten ``jit`` hits its cache.
     """
-    return rewrite_jaxpr(jaxpr, self.accepts_key, specs)
+    return rewrite_jaxpr(jaxpr, self.accepts_key, specs, python_folds)
 
   def absorb(self, layout: Layout, extra: tp.Sequence[tp.Any]) -> None:
     """Records the extra outputs of a rewritten jaxpr, laid out by ``layout``.
@@ -687,6 +709,22 @@ class Collector:
       pos += spec.size
     for spec in layout.reduced:
       n = len(spec.avals)
+      acc = self.accumulators.get(spec.name)
+      if (
+          not self.python_folds
+          and acc is not None
+          and (
+              spec.treedef != acc.treedef
+              or not _same_types(spec.avals, acc.avals)
+          )
+      ):
+        raise ValueError(
+            f'sow {spec.name!r}: reduce_fn changed the accumulator from'
+            f' {_describe(acc.treedef, acc.avals)} to'
+            f' {_describe(spec.treedef, spec.avals)} inside a `jax.jit`'
+            ' within a loop or branch, which carries it with a fixed type.'
+            ' Make init_fn() return a value of the type reduce_fn produces.'
+        )
       self.accumulators[spec.name] = Accumulator(
           spec.treedef, tuple(extra[pos : pos + n])
       )
@@ -829,6 +867,13 @@ jax.export.register_pytree_node_serialization(
 )
 
 
+_CARRIED_NOTE = (
+    ' (Module.sow lets reduce_fn change it only where no loop, branch or'
+    ' vmap carries the accumulator: at the top level of the capture or in'
+    ' a jit body.)'
+)
+
+
 def _same_types(a, b) -> bool:
   return len(a) == len(b) and all(
       x.shape == y.shape and x.dtype == y.dtype for x, y in zip(a, b)
@@ -948,16 +993,17 @@ def rewrite_jaxpr(
     jaxpr: _jax.ClosedJaxpr,
     accepts_key: frozenset | None,
     specs: tuple[ReducedSpec, ...],
+    python_folds: bool = False,
 ) -> tuple[_jax.ClosedJaxpr, Layout]:
   """See :meth:`Collector.rewrite`."""
   return cached(
       jaxpr,
-      ('rewrite', accepts_key, specs),
-      lambda: _rewrite_jaxpr(jaxpr, accepts_key, specs),
+      ('rewrite', accepts_key, specs, python_folds),
+      lambda: _rewrite_jaxpr(jaxpr, accepts_key, specs, python_folds),
   )
 
 
-def _rewrite_jaxpr(jaxpr, accepts_key, specs):
+def _rewrite_jaxpr(jaxpr, accepts_key, specs, python_folds=False):
   if not specs:
     edited = edit_plain_sows(jaxpr.jaxpr, accepts_key)
     if edited is not None:
@@ -968,6 +1014,7 @@ def _rewrite_jaxpr(jaxpr, accepts_key, specs):
   def rewritten(*args):
     acc_leaves, inputs = args[:num_acc], args[num_acc:]
     inner = Collector(accepts_key)
+    inner.python_folds = python_folds
     pos = 0
     for s in specs:
       n = len(s.avals)

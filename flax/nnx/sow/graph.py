@@ -84,15 +84,18 @@ def functional_graph_call(
     scope: Scope | None = None,
     refers_to: tp.Any = None,
     in_place: bool = False,
+    root_args: tuple[tuple, dict] | None = None,
 ) -> tuple[tp.Any, tp.Any]:
   """Runs ``stage`` on ``f`` with a path scope active and graph nodes split.
 
   With ``in_place=True`` (``stage`` runs ``f`` on the caller's trace, as a
   capture does) the graph nodes are not split: ``f`` gets them as they are.
 
-  The scope's roots are the graph nodes among ``args``/``kwargs`` and those
-  ``refers_to`` (default ``f``) refers to (``paths.referenced_graph_nodes``),
-  all at path ``()``. Without graph nodes among the arguments, ``stage`` runs
+  The scope's roots are the graph nodes among ``args``/``kwargs`` (or
+  ``root_args``) and those ``refers_to`` (default ``f``) refers to
+  (``paths.referenced_graph_nodes``), named as ``Scope.add_roots`` says: one
+  root at ``()``, several by argument position or variable name. Without
+  graph nodes among the arguments, ``stage`` runs
   on ``f`` itself. With them, this is what ``nnx.jit`` does around
   ``jax.jit``, with ``stage`` in place of ``jax.jit``: the graph nodes and
   Variables are split together (shared references are kept) into the state
@@ -118,6 +121,8 @@ def functional_graph_call(
       wraps the user's function.
     in_place: whether ``stage`` runs ``f`` on the caller's trace, where it
       may update the caller's objects itself.
+    root_args: ``(args, kwargs)`` whose graph nodes are the roots, when
+      ``args`` holds more than the user's arguments.
 
   Returns:
     ``(out, extra)``: ``f``'s output, where a graph node that ``f`` received
@@ -133,11 +138,11 @@ def functional_graph_call(
       if not isinstance(x, jax.Array) and is_graph_leaf(x)
   ]
   nodes = [leaves[i] for i in positions]
-  for node in nodes:
-    if _is_graph_node(node):
-      scope.add_root(node)
-  for node in referenced_graph_nodes(f if refers_to is None else refers_to):
-    scope.add_root(node)
+  named_args, named_kwargs = (args, kwargs) if root_args is None else root_args
+  user_f = f if refers_to is None else refers_to
+  scope.add_roots(
+      named_args, named_kwargs, user_f, referenced_graph_nodes(user_f)
+  )
   if not in_place and any(isinstance(x, np.ndarray) for x in leaves):
     # NumPy arrays reach ``f`` as JAX arrays, as they would traced. (Run in
     # place, ``f`` gets the caller's objects, NumPy arrays included.)

@@ -26,7 +26,11 @@ core (``sow``, ``perturb``, ``capture``):
 
 A module learns its path from the innermost active capture (``paths.py``);
 graph nodes among the arguments are handled as ``nnx.jit`` does
-(``graph.py``). No attribute is set on any module.
+(``graph.py``). No attribute is set on any module, and nothing is kept from
+one call to the next: the State is built from what the capture returns.
+``nnx.capture(fn, T1, T2, ...)`` nests one functional capture per Variable
+type (``tags`` that type), so a name sown as ``Intermediate`` and perturbed
+as ``Perturbation`` lands in two captures and two States, as in Flax.
 
 :func:`install` patches Flax (``Module.sow``, ``Module.perturb``,
 ``nnx.capture``, and the split/merge hooks of ``paths.py``);
@@ -54,7 +58,6 @@ from flax.nnx import graphlib as _graphlib
 from flax.nnx import module as _module_lib
 from flax.nnx import variablelib as _variablelib
 
-from flax.nnx.sow import reductions
 from flax.nnx.sow import state as state_lib
 from flax.nnx.sow.capture import stage_and_collect
 from flax.nnx.sow.graph import functional_graph_call
@@ -62,9 +65,10 @@ from flax.nnx.sow import paths as paths_lib
 from flax.nnx.sow.paths import LOCAL
 from flax.nnx.sow.paths import Path
 from flax.nnx.sow.paths import Scope
-from flax.nnx.sow.paths import locate
+from flax.nnx.sow.paths import SharedPathError
 from flax.nnx.sow.perturb import perturb as _core_perturb
 from flax.nnx.sow.primitive import sow as _core_sow
+from flax.nnx.sow.primitive import sow_site
 
 __all__ = [
     'install',
@@ -94,26 +98,11 @@ class PerturbationInit:
   variable_type: type
 
 
+_ZEROS = '__perturbation_init__'
+
+
 def _zeros_name(full: Path) -> Path:
-  return ('__perturbation_init__', *full)
-
-
-# --------------------------------------------------------------------------
-# Reductions: Flax lets an accumulator grow (a tuple of values); the capture
-# carries accumulators of fixed type. Each site folds with its own reduce_fn.
-# --------------------------------------------------------------------------
-
-
-def _grows(reduce_fn, init_fn, value) -> bool:
-  """Whether ``reduce_fn(init_fn(), value)`` changes the pytree structure.
-
-  Such an accumulator (``reduce_fn=lambda c, v: (*c, v)``) cannot be carried
-  through a loop with a fixed type; the shim collects every value instead
-  and folds ``reduce_fn`` when it builds the State, as Flax does.
-  """
-  init = init_fn()
-  target = reductions.result_structure(reduce_fn, init, value)
-  return target != jax.tree.structure(init)
+  return (_ZEROS, *full)
 
 
 def _is_array_tree(value) -> bool:
@@ -128,12 +117,32 @@ def _is_array_tree(value) -> bool:
 # Module.sow / Module.perturb
 # --------------------------------------------------------------------------
 
-_LEGACY_MESSAGE = (
-    'Module.{what}() was called outside nnx.capture(), so the value is kept'
-    ' in the attribute {name!r} of the module (the legacy behaviour, to be'
-    ' removed). Run the call under nnx.capture(...) or flax.nnx.sow.capture'
-    ' to receive it as a return value instead.'
+# Flax 0.12.8's messages, verbatim at the start, so that warning filters
+# written for Flax (``message=...`` is matched from the start) keep matching.
+_FLAX_GUIDE = (
+    'https://flax.readthedocs.io/en/latest/guides/extracting_intermediates.html'
+    ' for more information.\n'
 )
+_FLAX_SOW_MESSAGE = (
+    "Using 'Module.sow()' outside of 'nnx.capture()' is deprecated; see\n"
+    + ' ' * 8
+    + _FLAX_GUIDE
+    + ' ' * 8
+)
+_FLAX_PERTURB_MESSAGE = (
+    "\n      Using 'Module.perturb()' outside of 'nnx.capture()' is deprecated;"
+    ' see\n' + ' ' * 6 + _FLAX_GUIDE + ' ' * 6
+)
+_LEGACY_NOTE = (
+    '(flax.nnx.sow: the value is kept in the attribute {name!r} of the'
+    ' module; run the call under nnx.capture(...) or flax.nnx.sow.capture'
+    ' to receive it as a return value instead.)'
+)
+
+
+def _legacy_message(what: str, name: str) -> str:
+  flax_message = _FLAX_SOW_MESSAGE if what == 'sow' else _FLAX_PERTURB_MESSAGE
+  return flax_message + _LEGACY_NOTE.format(name=name)
 
 
 def _legacy_sow(self, variable_type, name, value, reduce_fn, init_fn):
@@ -157,7 +166,7 @@ def _legacy_sow(self, variable_type, name, value, reduce_fn, init_fn):
   else:
     setattr(self, name, variable_type(reduce_fn(init_fn(), value)))
   warnings.warn(
-      _LEGACY_MESSAGE.format(what='sow', name=name),
+      _legacy_message('sow', name),
       DeprecationWarning,
       stacklevel=3,
   )
@@ -178,11 +187,17 @@ def _legacy_perturb(self, name, value, variable_type):
     current = jax.tree.map(jnp.zeros_like, value)
     setattr(self, name, variable_type(current))
   warnings.warn(
-      _LEGACY_MESSAGE.format(what='perturb', name=name),
+      _legacy_message('perturb', name),
       DeprecationWarning,
       stacklevel=3,
   )
   return jax.tree.map(operator.add, current, value)
+
+
+def _where(self, variable_type, name, what: str) -> str:
+  return f'Module.{what}({variable_type.__name__}, {name!r}) in' + (
+      f' {type(self).__name__}'
+  )
 
 
 def _unnamed(self, variable_type, name, what: str) -> bool:
@@ -193,29 +208,32 @@ def _unnamed(self, variable_type, name, what: str) -> bool:
   """
   if not any(scope.accepts(variable_type) for scope in LOCAL.scopes):
     return False
-  where = f'Module.{what}({variable_type.__name__}, {name!r}) in' + (
-      f' {type(self).__name__}: no active capture can tell which module this'
-      ' is, so the value has no name.'
-  )
-  matches = sorted(
-      {p for s in LOCAL.scopes for p in s.structural_matches(self)}, key=repr
-  )
-  if len(matches) > 1:
-    raise ValueError(
-        f'{where} It is a copy of one of the modules at'
-        f' {", ".join(map(repr, matches))}, which have the same structure:'
-        ' a plain JAX transform (jax.jit, jax.vmap, ...) copied a Module'
-        ' passed to it as a pytree. Use the NNX transform instead (nnx.jit,'
-        ' nnx.vmap, ...; graph=False works too), or let the transformed'
-        ' function close over the module instead of taking it as an'
-        ' argument.'
-    )
   raise ValueError(
-      f'{where} Pass the module (or one that contains it) as an argument of'
-      ' the captured function, refer to it from that function, or build it'
-      ' there with nnx.merge(graphdef, state); a module created inside the'
-      ' captured function has no path.'
+      f'{_where(self, variable_type, name, what)}: no active capture can'
+      ' tell which module this is, so the value has no name. Pass the'
+      ' module (or one that contains it) as an argument of the captured'
+      ' function, refer to it from that function, or build it there with'
+      ' nnx.merge(graphdef, state); a module created inside the captured'
+      ' function has no path, and neither has a copy that a plain JAX'
+      ' transform (jax.jit, jax.vmap, ...) made of a Module passed to it as'
+      ' a pytree: use the NNX transform (nnx.jit, nnx.vmap, ...; graph=False'
+      ' works too), or let the transformed function close over the module.'
   )
+
+
+def _locate(self, variable_type, name, what: str):
+  """``paths.locate``, raising naming the sow where two modules would share
+  its path."""
+  try:
+    return paths_lib.locate(self, variable_type)
+  except SharedPathError as e:
+    raise ValueError(
+        f'{_where(self, variable_type, name, what)}: the module would be'
+        f' named {e.path!r}, but {e.why}, so their values would be mixed.'
+        ' Give the modules distinct names (pass them in one container, e.g.'
+        ' nnx.Dict(encoder=..., decoder=...), or as separate arguments of a'
+        ' function that takes nothing else that holds a Module).'
+    ) from None
 
 
 def _variable_type(variable_type, what: str) -> type:
@@ -246,14 +264,19 @@ def module_sow(
   Inside a capture that knows this module, emits ``sow(value, name=(*path,
   name), tag=variable_type)``, where ``path`` is the module's path from the
   captured root. Flax's default ``reduce_fn``/``init_fn`` (a tuple of values)
-  is a plain sow; any other pair is a reduced sow, whose accumulator is
-  carried through loops. The module's path comes from ``paths.py``: a
-  module among the capture's arguments or referred to by the captured
-  function, one inside them, a copy an NNX transform or ``nnx.merge`` made
-  of one, or an object ``nnx.merge`` built from a graphdef split before the
-  capture (a root at ``()``). Outside any capture it keeps Flax's legacy
-  behaviour: the value goes to a Variable attribute named ``name`` (read it
-  with ``nnx.pop``), with a ``DeprecationWarning``.
+  is a plain sow; any other pair (or an ``init=`` value for this name) is a
+  reduced sow, whose accumulator is carried through loops. As in Flax, its
+  ``reduce_fn`` may change the accumulator's type (``jnp.maximum`` from a
+  scalar ``init_fn``, a tuple that grows) where the fold runs once per sow in
+  Python: at the capture's top level and in ``jax.jit``/``nnx.jit`` bodies;
+  inside a loop, branch or ``vmap`` the type is fixed (``ValueError`` naming
+  the sow). The module's path comes from ``paths.py``: a module among the
+  capture's arguments or referred to by the captured function, one inside
+  them, a copy an NNX transform or ``nnx.merge`` made of one, or an object
+  ``nnx.merge`` built from a graphdef split before the capture. Outside any
+  capture it keeps Flax's legacy behaviour: the value goes to a Variable
+  attribute named ``name`` (read it with ``nnx.pop``), with Flax's
+  ``DeprecationWarning`` (its message begins as Flax's).
 
   Returns:
     ``True`` when an active capture collects ``variable_type`` exactly (or,
@@ -262,10 +285,10 @@ def module_sow(
   Raises:
     ValueError: inside a capture that collects ``variable_type``, when no
       capture can name this module (e.g. it was created inside the captured
-      function).
+      function), or when its path would be shared with another module's.
   """
   variable_type = _variable_type(variable_type, 'Module.sow')
-  located = locate(self, variable_type)
+  located = _locate(self, variable_type, name, 'sow')
   if located is None:
     if LOCAL.scopes:
       return _unnamed(self, variable_type, name, 'sow')
@@ -273,34 +296,19 @@ def module_sow(
   scope, path, accepted = located
   full = (*path, name)
   state_lib.name_to_path(full)
-  scope.record(full, 'sow', variable_type)
-  sow = _core_sow
   init = scope.init.get(full)
   if init is not None and init[0] is variable_type:
     # init= holds this sow's starting value (Flax sets the attribute to it
-    # before the call): a tuple of values is put in front of the collected
-    # ones when the State is built; an accumulator starts from it.
+    # before the call): the accumulator starts from it (a tuple of values
+    # for the default reduce_fn, which then appends to it).
     init_value = init[1]
     init_fn = lambda: init_value  # pylint: disable=unnecessary-lambda
-    if reduce_fn is _TUPLE_REDUCE:
-      scope.prefixed.add(full)
-  if reduce_fn is _TUPLE_REDUCE and init_fn is _TUPLE_INIT:
-    sow(value, name=full, tag=variable_type)
   elif reduce_fn is _TUPLE_REDUCE:
-    sow(value, name=full, tag=variable_type)
-  elif _grows(reduce_fn, init_fn, value):
-    # A growing accumulator: collect every value, and fold reduce_fn over
-    # them from init_fn() when the State is built (as Flax reduces them).
-    scope.folds[full] = (reduce_fn, init_fn)
-    sow(value, name=full, tag=variable_type)
-  else:
-    sow(
-        value,
-        name=full,
-        tag=variable_type,
-        reduce_fn=reduce_fn,
-        init_fn=init_fn,
-    )
+    _core_sow(value, name=full, tag=variable_type)
+    return accepted
+  # A reduced sow, folded as Flax folds it: where no loop or branch carries
+  # the accumulator, reduce_fn may change its type (e.g. a tuple that grows).
+  sow_site(value, full, variable_type, reduce_fn, init_fn, fixed_type=False)
   return accepted
 
 
@@ -321,7 +329,7 @@ def module_perturb(self, name: str, value, variable_type=nnx.Perturbation):
   attribute holding the perturbation, with a ``DeprecationWarning``).
   """
   variable_type = _variable_type(variable_type, 'Module.perturb')
-  located = locate(self, variable_type)
+  located = _locate(self, variable_type, name, 'perturb')
   if located is None:
     if LOCAL.scopes:
       _unnamed(self, variable_type, name, 'perturb')
@@ -329,18 +337,17 @@ def module_perturb(self, name: str, value, variable_type=nnx.Perturbation):
     return _legacy_perturb(self, name, value, variable_type)
   scope, path, accepted = located
   full = (*path, name)
-  sow = _core_sow
   init = scope.init.get(full)
   if init is not None and init[0] is variable_type:
     if accepted:
-      scope.record(full, 'perturb_init', variable_type)
-      sow(init[1], name=_zeros_name(full), tag=PerturbationInit(variable_type))
+      _core_sow(
+          init[1], name=_zeros_name(full), tag=PerturbationInit(variable_type)
+      )
     return jax.tree.map(operator.add, init[1], value)
   if accepted and scope.kind == 'nnx':
     # nnx.capture returns zeros for a perturbation nothing differentiates
     # (Flax's step 1); a functional capture has no such entry.
-    scope.record(full, 'perturb', variable_type)
-    sow(
+    _core_sow(
         jax.tree.map(jnp.zeros_like, value),
         name=_zeros_name(full),
         tag=PerturbationInit(variable_type),
@@ -361,13 +368,20 @@ def _method_output_wrapper(method_name: str, method):
   @functools.wraps(method)
   def wrapper(self, *args, **kwargs):
     result = method(self, *args, **kwargs)
-    found = paths_lib.innermost_naming(
-        self, [s for s in reversed(LOCAL.scopes) if s.method_outputs]
-    )
+    try:
+      found = paths_lib.innermost_naming(
+          self, [s for s in reversed(LOCAL.scopes) if s.method_outputs]
+      )
+    except SharedPathError as e:
+      raise ValueError(
+          f'nnx.capture(method_outputs=...): the output of'
+          f' {type(self).__name__}.{method_name} would be named'
+          f' {(*e.path, method_name)!r}, but {e.why}; give the modules'
+          ' distinct names.'
+      ) from None
     if found is not None and _is_array_tree(result):
       scope, path = found
       full = (*path, method_name)
-      scope.record(full, 'method', scope.method_outputs)
       _core_sow(result, name=full, tag=scope.method_outputs)
     return result
 
@@ -464,31 +478,24 @@ def _sum_entries(entries):
     return entries
 
 
-def _build_state(scope: Scope, collected, variable_type, init_entries):
-  scope.with_earlier_records()
+def _build_state(collected, variable_type):
+  """The State of one Variable type, from its own capture's ``collected``.
+
+  A plain ``Module.sow`` gives its tuple, a reduced one its accumulator, a
+  ``Module.perturb`` the sum of its cotangents (``collected.cotangents``), or,
+  when nothing differentiated it, the zeros (or ``init=`` value) sown under
+  :func:`_zeros_name`.
+  """
   flat: dict[Path, tp.Any] = {}
-  for full, (kind, vt) in scope.records.items():
-    if vt is not variable_type:
-      continue
-    if kind in ('sow', 'method'):
-      if full not in collected:
-        continue
-      value = collected[full]
-      init = init_entries.get(full)
-      if full in scope.prefixed and init is not None:
-        value = (*init[1], *value)
-      if full in scope.folds:
-        reduce_fn, init_fn = scope.folds[full]
-        start = init[1] if init is not None and init[0] is vt else init_fn()
-        value = functools.reduce(reduce_fn, value, start)
-    elif kind == 'perturb' and full in collected:
-      value = _sum_entries(collected[full])
-    else:  # 'perturb' without a cotangent, or 'perturb_init'
-      zeros = collected.get(_zeros_name(full))
-      if not zeros:
-        continue
-      value = zeros[0]
-    flat[full] = value
+  for name, value in collected.items():
+    if isinstance(name, tuple) and name[0] == _ZEROS:
+      full = name[1:]
+      if full not in collected and value:
+        flat[full] = value[0]
+    elif name in collected.cotangents:
+      flat[name] = _sum_entries(value)
+    else:
+      flat[name] = value
   return state_lib.collected_to_state(flat, variable_type)
 
 
@@ -562,13 +569,13 @@ def capture(
         f' function whose first argument is a Module, got {fn!r}.'
     )
   init_entries = _init_entries(init)
-  tags = set(var_types)
-  tags.update(PerturbationInit(vt) for vt in var_types)
-  if method_outputs is not None:
-    tags.add(method_outputs)
-  accepts_key = frozenset(tags)
+  # One functional capture per type, nested: each collects its own type's
+  # sows, perturbations and zeros, so two types never share a name.
+  types = tuple(dict.fromkeys(var_types))
+  keys = [frozenset({vt, PerturbationInit(vt)}) for vt in types]
 
   def wrapper(*args, **kwargs):
+    fn_args = args
     if module_instance is None:
       if not args or not _graphlib.is_graph_node(args[0]):
         raise TypeError(
@@ -579,25 +586,29 @@ def capture(
       module, args = args[0], args[1:]
     else:
       module = module_instance
-    keys = tuple(init_entries)
+    init_keys = tuple(init_entries)
     scope = Scope(
         'nnx',
-        frozenset(var_types) | {method_outputs} - {None}
-        if method_outputs is not None
-        else frozenset(var_types),
-        method_outputs,
-        tuple((k, init_entries[k][0]) for k in keys),
+        frozenset(types),
+        method_outputs if method_outputs in types else None,
+        tuple((k, init_entries[k][0]) for k in init_keys),
     )
-    init_values = [init_entries[k][1] for k in keys]
+    init_values = [init_entries[k][1] for k in init_keys]
 
     def staged(m, values, *a, **k):
       scope.init = {
-          key: (init_entries[key][0], v) for key, v in zip(keys, values)
+          key: (init_entries[key][0], v) for key, v in zip(init_keys, values)
       }
       return invoke(m, *a, **k)
 
-    def stage(pure_f, pure_args, pure_kwargs):
-      return stage_and_collect(pure_f, accepts_key, pure_args, pure_kwargs)
+    def stage(pure_f, pure_args, pure_kwargs, level=0):
+      if level == len(keys):
+        return pure_f(*pure_args, **pure_kwargs), ()
+      inner = lambda *a, **k: stage(pure_f, a, k, level + 1)
+      (out, rest), collected = stage_and_collect(
+          inner, keys[level], pure_args, pure_kwargs
+      )
+      return out, (collected, *rest)
 
     classes = ()
     if method_outputs is not None:
@@ -616,6 +627,7 @@ def capture(
           scope=scope,
           refers_to=fn,
           in_place=True,
+          root_args=(fn_args, kwargs),
       )
     finally:
       if classes:
@@ -624,10 +636,8 @@ def capture(
       return result
     # One State per requested type, by exact type (a subclass of a requested
     # type is returned only when it is requested itself).
-    states = [
-        _build_state(scope, collected, vt, init_entries) for vt in var_types
-    ]
-    return (result, *states)
+    by_type = dict(zip(types, collected))
+    return (result, *(_build_state(by_type[vt], vt) for vt in var_types))
 
   if not isinstance(fn, nnx.Module):
     wrapper = functools.wraps(fn)(wrapper)

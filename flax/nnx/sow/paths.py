@@ -16,10 +16,22 @@
 
 Every capture call pushes a :class:`Scope` on a thread-local stack (popped in
 ``finally``). A scope maps graph nodes, by identity, to their path from a
-root. The roots are the graph nodes among the capture's arguments and those
-the captured function refers to (:func:`referenced_graph_nodes`), at path
-``()``. The copies that NNX code makes during the call are named without
-looking at Python frames, from facts that are the same on every run:
+root. The roots (:meth:`Scope.add_roots`) are
+
+* the graph nodes among the capture's arguments, and
+* the graph nodes the captured function refers to
+  (:func:`referenced_graph_nodes`: closures, globals, bound ``self``,
+  ``functools.partial`` arguments),
+
+counting only those that hold a Module and are not inside another root. One
+root is at ``()`` (so ``nnx.capture(model, ...)`` gives Flax's paths); with
+several, an argument's root is prefixed by its position (``(0, ...)``, ``(1,
+...)``, a keyword by its name, then its place inside the argument's pytree, as
+``nnx.jit``'s state is keyed), and a referenced one by the variable that holds
+it (``('encoder', ...)``). Two roots never share a path: where two would
+(a keyword and a closure variable of one name), ``Module.sow`` under them
+raises. The copies that NNX code makes during the call are named from
+Flax's own split/merge, the same on every run:
 
 1. **split/merge**: while a scope is active, Flax's ``graphlib.flatten``
    records the graphdef it returns with the object it split, and
@@ -35,22 +47,24 @@ looking at Python frames, from facts that are the same on every run:
    (``extract.snapshot``) are paired by pytree position.
 4. An object merged from a graphdef the scope never saw split
    (``nnx.merge(graphdef, state)`` with a ``graphdef`` split before the
-   capture: the functional NNX pattern) is a root at ``()``.
-5. Last, a module whose graphdef equals that of exactly one root module (a
-   copy made by a plain JAX transform of a Module pytree).
+   capture: the functional NNX pattern) is the root at ``()``, when the
+   scope has no other root and every such object has an equal graphdef.
 
-Facts 1-3 are :data:`EXACT`, 4 :data:`MERGED`, 5 :data:`STRUCTURE`. A sow is
-named by the innermost scope that accepts it and names the module from
-facts 1-4, before any structural match (:func:`locate`). A module that no
-scope names makes ``Module.sow`` raise (``nnx_shims.py``). No attribute is
-set on any module. The four Flax functions are wrapped once
+Facts 1-3 are :data:`EXACT`, 4 :data:`MERGED`. A sow is named by the
+innermost scope that accepts it and names the module (:func:`locate`). A
+module that no scope names (one created inside the call, or a copy a plain
+JAX transform made of a Module pytree) makes ``Module.sow`` raise
+(``nnx_shims.py``). Nothing is kept from one call to the next, and no
+attribute is set on any module. The four Flax functions are wrapped once
 (:func:`install_hooks`, idempotent, thread-safe); outside a capture the
 wrappers only check that the thread has no active scope.
 """
 
 from __future__ import annotations
 
+import dis
 import functools
+import inspect
 import threading
 import types
 import typing as tp
@@ -158,16 +172,48 @@ def _graph_nodes(node) -> tp.Iterator[tuple[Path, tp.Any]]:
 
 
 # What a scope names a module from (Scope.resolve): its roots and the copies
-# linked to them; objects merged from an unknown graphdef; a unique match of
-# structure with a root module.
-EXACT, MERGED, STRUCTURE = 'exact', 'merged', 'structure'
+# linked to them; objects merged from an unknown graphdef.
+EXACT, MERGED = 'exact', 'merged'
 
 
-# Records of earlier captures, by the jit cache key they staged under
-# (``Scope.with_earlier_records``); the most recent keys are kept.
-_EARLIER: dict[tuple, tuple[dict, dict, set]] = {}
-_EARLIER_LOCK = threading.Lock()
-_EARLIER_MAX = 256
+def _parameter_names(f) -> list[str]:
+  """The names of ``f``'s positional parameters (``[]`` if unknown)."""
+  try:
+    params = inspect.signature(f).parameters.values()
+  except (TypeError, ValueError):
+    return []
+  kinds = (
+      inspect.Parameter.POSITIONAL_ONLY,
+      inspect.Parameter.POSITIONAL_OR_KEYWORD,
+  )
+  return [p.name for p in params if p.kind in kinds]
+
+
+def _holds_module(node) -> bool:
+  return any(isinstance(obj, nnx.Module) for _, obj in _graph_nodes(node))
+
+
+def _keys(keypath) -> Path:
+  """A pytree key path as path parts (``[0]['a']`` -> ``(0, 'a')``)."""
+  parts = []
+  for k in keypath:
+    for attr in ('key', 'idx', 'name'):
+      if hasattr(k, attr):
+        part = getattr(k, attr)
+        break
+    else:
+      part = str(k)
+    parts.append(part if isinstance(part, (str, int)) else str(part))
+  return tuple(parts)
+
+
+def _nodes_in(tree, prefix: Path) -> list[tuple[tp.Any, Path]]:
+  leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_graph_leaf)
+  return [
+      (leaf, (*prefix, *_keys(kp)))
+      for kp, leaf in leaves
+      if is_graph_node(leaf)
+  ]
 
 
 class Scope:
@@ -185,58 +231,79 @@ class Scope:
     self.method_outputs = method_outputs
     self.init_keys = init_keys  # ((full name, Variable type), ...)
     self.init: dict[Path, tuple[type, tp.Any]] = {}
-    self.records: dict[Path, tuple[str, type]] = {}
-    # Growing reductions, folded when the State is built (nnx_shims.py).
-    self.folds: dict[Path, tuple[tp.Callable, tp.Callable]] = {}
-    # Plain Module.sow paths whose init= tuple goes before the values.
-    self.prefixed: set[Path] = set()
     # id -> (object, path). The objects are held, so ids stay unique.
     self.nodes: dict[int, tuple[tp.Any, Path]] = {}
-    self.merged: dict[int, tuple[tp.Any, Path]] = {}
+    # id -> (object, path, why the path is not unique or None).
+    self.merged: dict[int, tuple[tp.Any, Path, str | None]] = {}
     # Objects merged from unknown graphdefs, walked into ``merged`` when a
     # sow first asks (most captures never do).
-    self._merged_pending: list[tp.Any] = []
+    self._merged_pending: list[tuple[tp.Any, tp.Any]] = []
+    self._merged_graphdef: tp.Any = None
     self.roots: list[tuple[tp.Any, Path]] = []
     self.structure: list[tuple[Path, type]] = []
     self.splits: dict[int, tuple[tp.Any, tp.Any]] = {}  # graphdef, source
-    self._by_graphdef: list | None = None
-    self.key: tuple | None = None  # the jit cache key it staged under
-
-  def with_earlier_records(self) -> None:
-    """Adds what earlier captures under the same jit cache key recorded.
-
-    ``Module.sow`` records a name when its Python runs. A ``jax.jit`` or
-    ``nnx.jit`` inside the captured function that was traced by an earlier
-    capture with the same key is not traced again, so its sows reach this
-    capture without their records; those come from the earlier capture.
-    """
-    if self.key is None:
-      return
-    with _EARLIER_LOCK:
-      earlier = _EARLIER.pop(self.key, None)
-      records, folds, prefixed = earlier or ({}, {}, set())
-      records = {**records, **self.records}
-      folds = {**folds, **self.folds}
-      prefixed = prefixed | self.prefixed
-      _EARLIER[self.key] = (records, folds, prefixed)  # most recent last
-      while len(_EARLIER) > _EARLIER_MAX:
-        _EARLIER.pop(next(iter(_EARLIER)))
-    for full, record in records.items():
-      self.records.setdefault(full, record)
-    self.folds = folds
-    self.prefixed = prefixed
+    # Root paths two roots would share: a sow under them raises.
+    self.shared: dict[Path, str] = {}
 
   def accepts(self, tag) -> bool:
     return self.types is None or tag in self.types
 
-  def add_root(self, node, prefix: Path = ()) -> None:
+  def add_roots(self, args: tuple, kwargs: dict, f, referenced) -> None:
+    """Names the roots: see the module docstring.
+
+    ``f`` is the function the arguments are for; ``referenced`` is
+    :func:`referenced_graph_nodes` of it.
+    """
+    from_args = [
+        *(n for i, a in enumerate(args) for n in _nodes_in(a, (i,))),
+        *(n for k in sorted(kwargs) for n in _nodes_in(kwargs[k], (k,))),
+    ]
+    candidates = [(n, p, True) for n, p in from_args]
+    candidates += [(n, p, False) for n, p in referenced]
+    kept: list[tuple[tp.Any, Path, bool]] = []
+    inside: set[int] = set()  # every graph node under a kept root
+    for node, path, is_arg in candidates:
+      if id(node) in inside or not _holds_module(node):
+        continue
+      kept.append((node, path, is_arg))
+      inside.update(id(obj) for _, obj in _graph_nodes(node))
+    if len(kept) == 1:
+      kept = [(kept[0][0], (), True)]
+    elif len({is_arg for _, _, is_arg in kept}) == 2:
+      # Arguments next to variables: arguments by parameter name too, so
+      # the keys of one level are all strings (an nnx.State sorts them).
+      names = _parameter_names(f)
+      kept = [
+          (node, (names[p[0]], *p[1:]), True)
+          if is_arg and isinstance(p[0], int) and p[0] < len(names)
+          else (node, p, is_arg)
+          for node, p, is_arg in kept
+      ]
+    owners: dict[Path, tp.Any] = {}
+    for node, path, _ in kept:
+      other = owners.setdefault(path, node)
+      if other is not node:
+        self.shared[path] = (
+            f'two modules, a {type(other).__name__} and a'
+            f' {type(node).__name__}, are both roots named {path!r}'
+        )
+      self._add_root(node, path)
+
+  def _add_root(self, node, prefix: Path) -> None:
     for path, obj in _graph_nodes(node):
       if id(obj) not in self.nodes:
         full = (*prefix, *path)
         self.nodes[id(obj)] = (obj, full)
         self.roots.append((obj, full))
         self.structure.append((full, type(obj)))
-    self._by_graphdef = None
+
+  def clash(self, path: Path) -> str | None:
+    """Why ``path`` does not name one module, or ``None``."""
+    for k in range(len(path) + 1):
+      why = self.shared.get(path[:k])
+      if why is not None:
+        return why
+    return None
 
   def fingerprint(self):
     return (
@@ -247,31 +314,42 @@ class Scope:
         tuple(self.structure),
     )
 
-  def record(self, full: Path, kind: str, variable_type: type) -> None:
-    seen = self.records.get(full)
-    if seen is None:
-      self.records[full] = (kind, variable_type)
-    elif seen != (kind, variable_type):
-      raise ValueError(
-          f'nnx.capture: {full!r} is sown as {seen[1].__name__} ({seen[0]})'
-          f' and as {variable_type.__name__} ({kind}) in one capture; give'
-          ' each its own name.'
-      )
-
   # Resolution ----------------------------------------------------------------
 
   def resolve(self, obj, tier: str = EXACT) -> Path | None:
     """``obj``'s path from this scope's roots, using the facts of ``tier``."""
     if tier == EXACT:
       return self._exact(obj)
-    if tier == MERGED:
-      while self._merged_pending:
-        node = self._merged_pending.pop(0)
-        for rel, child in _graph_nodes(node):
-          self.merged.setdefault(id(child), (child, rel))
-      hit = self.merged.get(id(obj))
-      return hit[1] if hit is not None and hit[0] is obj else None
-    return self._structural(obj)
+    hit = self._merged_hit(obj)
+    return None if hit is None else hit[1]
+
+  def _merged_hit(self, obj):
+    while self._merged_pending:
+      graphdef, node = self._merged_pending.pop(0)
+      why = None
+      if self.roots:
+        why = (
+            f'it was merged from a graphdef split before the capture, and'
+            f' the capture also has the root {self.roots[0][1]!r}'
+        )
+      elif self._merged_graphdef is None:
+        self._merged_graphdef = graphdef
+      elif graphdef is not self._merged_graphdef and not (
+          graphdef == self._merged_graphdef
+      ):
+        why = (
+            'it and another object were merged from different graphdefs'
+            ' split before the capture'
+        )
+      for rel, child in _graph_nodes(node):
+        self.merged.setdefault(id(child), (child, rel, why))
+    hit = self.merged.get(id(obj))
+    return hit if hit is not None and hit[0] is obj else None
+
+  def merged_clash(self, obj) -> str | None:
+    """Why the :data:`MERGED` path of ``obj`` does not name one module."""
+    hit = self._merged_hit(obj)
+    return None if hit is None else hit[2]
 
   def _exact(self, obj) -> Path | None:
     hit = self.nodes.get(id(obj))
@@ -292,27 +370,6 @@ class Scope:
     for rel, child in _graph_nodes(obj):
       self.nodes.setdefault(id(child), (child, (*path, *rel)))
 
-  def structural_matches(self, obj) -> list[Path]:
-    """Paths of the root modules whose graphdef equals ``obj``'s."""
-    if not isinstance(obj, nnx.Module):
-      return []
-    with _busy():
-      if self._by_graphdef is None:
-        self._by_graphdef = [
-            (nnx.graphdef(o), p)
-            for o, p in self.roots
-            if isinstance(o, nnx.Module)
-        ]
-      graphdef = nnx.graphdef(obj)
-    return sorted({p for g, p in self._by_graphdef if g == graphdef}, key=repr)
-
-  def _structural(self, obj) -> Path | None:
-    paths = self.structural_matches(obj)
-    if len(paths) != 1:
-      return None
-    self._learn(obj, paths[0])
-    return paths[0]
-
   # Facts from Flax (the hooks below) ----------------------------------------
 
   def note_split(self, graphdef, node) -> None:
@@ -328,7 +385,7 @@ class Scope:
       source = self._equal_split(graphdef)
     if source is not None and self.pair(source, node):
       return
-    self._merged_pending.append(node)
+    self._merged_pending.append((graphdef, node))
 
   def _equal_split(self, graphdef):
     sources = {}
@@ -417,8 +474,6 @@ class trace_key:
 
   def __enter__(self):
     key = tuple(s.fingerprint() for s in LOCAL.scopes)
-    if LOCAL.scopes:
-      LOCAL.scopes[-1].key = key
     self._key = TRACE_KEY(key)
     self._key.__enter__()
 
@@ -429,18 +484,35 @@ class trace_key:
 def innermost_naming(obj, *groups: list[Scope]) -> tuple[Scope, Path] | None:
   """The first scope of ``groups`` that names ``obj``, and the path.
 
-  A scope's own facts (:data:`EXACT`, then :data:`MERGED`) go before any
-  structural match (:data:`STRUCTURE`); within each, the groups and their
-  scopes are tried in order.
+  The groups and their scopes are tried in order, each with its facts
+  (:data:`EXACT`, then :data:`MERGED`).
+
+  Raises:
+    ValueError: (naming nothing; the caller adds the sow) when that path
+      would be shared with another module (:meth:`Scope.clash`).
   """
-  for tiers in ((EXACT, MERGED), (STRUCTURE,)):
-    for group in groups:
-      for scope in group:
-        for tier in tiers:
-          path = scope.resolve(obj, tier)
-          if path is not None:
-            return scope, path
+  for group in groups:
+    for scope in group:
+      path = scope.resolve(obj, EXACT)
+      if path is not None:
+        why = scope.clash(path)
+      else:
+        path = scope.resolve(obj, MERGED)
+        why = None if path is None else scope.merged_clash(obj)
+      if path is None:
+        continue
+      if why is not None:
+        raise SharedPathError(path, why)
+      return scope, path
   return None
+
+
+class SharedPathError(ValueError):
+  """A module's path would be shared with another module's."""
+
+  def __init__(self, path: Path, why: str):
+    super().__init__(path, why)
+    self.path, self.why = path, why
 
 
 def locate(obj, tag) -> tuple[Scope, Path, bool] | None:
@@ -467,75 +539,95 @@ def locate(obj, tag) -> tuple[Scope, Path, bool] | None:
 # Roots a captured function refers to
 
 
-def referenced_graph_nodes(f) -> list[tp.Any]:
-  """Graph nodes ``f`` refers to, in a fixed order, without running it.
+def referenced_graph_nodes(f) -> list[tuple[tp.Any, Path]]:
+  """Graph nodes ``f`` refers to, each with the variable that holds it.
 
-  ``f`` itself (a Module), the ``__self__`` of a bound method, the arguments
-  of a ``functools.partial``, the contents of closure cells, and the globals
-  its code names (also in nested functions), following ``__wrapped__`` and
-  the functions found there, a few levels deep (a global function only when
-  it is defined in the same module, so library code is not searched).
-  Containers (``list``/``tuple``/``dict``) among them are searched as
-  pytrees.
+  In a fixed order, without running ``f``: ``f`` itself (a Module, named
+  ``'self'``), the ``__self__`` of a bound method (named by the method's
+  first parameter), the arguments of a ``functools.partial`` (by parameter
+  or keyword name), the contents of closure cells (by the free variable's
+  name), and the globals its code loads (by their name; also in nested
+  functions), following ``__wrapped__`` and the functions found there, a few
+  levels deep (a global function only when it is defined in the same module,
+  so library code is not searched). Containers (``list``/``tuple``/``dict``)
+  among them are searched as pytrees, the keys added to the name.
   """
-  found: list[tp.Any] = []
+  found: list[tuple[tp.Any, Path]] = []
   seen: set[int] = set()
 
-  def value(x, depth):
+  def value(x, depth, name: Path):
     if id(x) in seen:
       return
     seen.add(id(x))
     if is_graph_node(x):
-      found.append(x)
+      found.append((x, name))
     elif isinstance(x, (list, tuple, dict)):
       try:
-        leaves = jax.tree.leaves(x, is_leaf=is_graph_leaf)
+        nodes = _nodes_in(x, name)
       except Exception:  # pylint: disable=broad-except
         return  # not a pytree (e.g. a dict with unorderable keys)
-      for leaf in leaves:
-        if is_graph_node(leaf) and id(leaf) not in seen:
-          seen.add(id(leaf))
-          found.append(leaf)
+      for node, path in nodes:
+        if id(node) not in seen:
+          seen.add(id(node))
+          found.append((node, path))
     elif callable(x) and depth < 4:
       function(x, depth + 1)
 
   def function(fn, depth):
     if isinstance(fn, functools.partial):
-      value(fn.func, depth)
-      for a in (*fn.args, *fn.keywords.values()):
-        value(a, depth)
+      value(fn.func, depth, ())
+      try:
+        params = list(inspect.signature(fn.func).parameters)
+      except (TypeError, ValueError):
+        params = []
+      for i, a in enumerate(fn.args):
+        value(a, depth, (params[i] if i < len(params) else i,))
+      for k, a in fn.keywords.items():
+        value(a, depth, (k,))
       return
     if isinstance(fn, types.MethodType):
-      value(fn.__self__, depth)
+      code = getattr(fn.__func__, '__code__', None)
+      first = code.co_varnames[0] if code and code.co_argcount else 'self'
+      value(fn.__self__, depth, (first,))
       fn = fn.__func__
     wrapped = getattr(fn, '__wrapped__', None)
     if wrapped is not None:
-      value(wrapped, depth)
+      value(wrapped, depth, ())
     if not isinstance(fn, types.FunctionType):
       return
-    for cell in fn.__closure__ or ():
+    for var, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
       try:
         contents = cell.cell_contents
       except ValueError:  # an empty cell
         continue
-      value(contents, depth)
+      value(contents, depth, (var,))
     for name in _global_names(fn.__code__):
       x = fn.__globals__.get(name)
       if callable(x) and not is_graph_node(x):
         if getattr(x, '__globals__', None) is not fn.__globals__:
           continue  # a library function, a class, a builtin
       if x is not None:
-        value(x, depth)
+        value(x, depth, (name,))
 
-  value(f, 0)
+  if is_graph_node(f):
+    seen.add(id(f))
+    found.append((f, ('self',)))
+  else:
+    value(f, 0, ())
   return found
 
 
-def _global_names(code: types.CodeType) -> tp.Iterator[str]:
-  yield from code.co_names
+@functools.lru_cache(maxsize=4096)
+def _global_names(code: types.CodeType) -> tuple[str, ...]:
+  """The globals ``code`` (and the code nested in it) loads, in order."""
+  names = {}
+  for instr in dis.get_instructions(code):
+    if instr.opname in ('LOAD_GLOBAL', 'LOAD_NAME'):
+      names.setdefault(instr.argval, None)
   for const in code.co_consts:
     if isinstance(const, types.CodeType):
-      yield from _global_names(const)
+      names.update(dict.fromkeys(_global_names(const)))
+  return tuple(names)
 
 
 # ----------------------------------------------------------------------------

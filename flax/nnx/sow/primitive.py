@@ -506,6 +506,12 @@ def sow(
       not an array or a scalar, if ``tag`` is not hashable, if only one of
       ``reduce_fn``/``init_fn`` is given, or if either is not callable.
   """
+  return sow_site(value, name, tag, reduce_fn, init_fn, fixed_type=True)
+
+
+def sow_site(value, name, tag, reduce_fn, init_fn, *, fixed_type: bool):
+  """:func:`sow`; ``fixed_type=False`` lets ``reduce_fn`` change the
+  accumulator's type where no loop or branch carries it (``Module.sow``)."""
   name = check_name(name)
   check_tag(tag, name)
   if (reduce_fn is None) != (init_fn is None):
@@ -544,7 +550,7 @@ def sow(
             ' the sown value and the accumulator)'
         )
         raise
-    reduction = Reduction(reduce_fn, init_fn, snapshot)
+    reduction = Reduction(reduce_fn, init_fn, snapshot, fixed_type)
   out = bind_sow(
       leaves,
       name=name,

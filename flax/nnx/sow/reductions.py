@@ -64,11 +64,17 @@ class Reduction:
   ``Module.sow`` does), so two sites of one name may hold different function
   objects, e.g. lambdas written inline. Compared by identity. ``snapshot``
   is set for a sow staged inside a capture (see the module docstring).
+
+  ``fixed_type``: the accumulator keeps its structure, shape and dtype at
+  every fold (the functional ``sow``). ``False`` (``Module.sow``, as in Flax)
+  lets a fold change it where the fold runs in Python, not carried by a
+  loop or branch (``capture.Collector.reduce``).
   """
 
   reduce_fn: tp.Callable[[tp.Any, tp.Any], tp.Any]
   init_fn: tp.Callable[[], tp.Any]
   snapshot: Snapshot | None = None
+  fixed_type: bool = dataclasses.field(default=True, repr=False)
 
 
 _jax.weak_cache_key(Reduction)
@@ -258,26 +264,6 @@ def _vary_like_acc(leaves, acc: Accumulator) -> list:
   if len(leaves) != len(acc.leaves):
     return list(leaves)  # the caller reports the changed structure
   return [_jax.vary_like(x, a) for x, a in zip(leaves, acc.leaves)]
-
-
-def result_structure(reduce_fn, init, value):
-  """The pytree structure of ``reduce_fn(init, value)``, without running it.
-
-  ``None`` if ``reduce_fn`` fails on these types.
-  """
-  box = []
-
-  def fn():
-    out = reduce_fn(init, value)
-    leaves, treedef = jax.tree_util.tree_flatten(out)
-    box.append(treedef)
-    return [jax.numpy.asarray(x) for x in leaves]
-
-  try:
-    _jax.trace_to_closed_jaxpr(fn, [], 'reduce_fn')
-  except Exception:  # pylint: disable=broad-except
-    return None
-  return box[-1]
 
 
 def masked(snapshot: Snapshot, n_value: int) -> Snapshot:

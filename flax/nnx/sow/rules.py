@@ -48,7 +48,7 @@ def _split(outs, n):
 
 def _jit_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
   p = eqn.params
-  new_jaxpr, layout, acc_in = collector.prepare(p['jaxpr'])
+  new_jaxpr, layout, acc_in = collector.prepare(p['jaxpr'], python_folds=True)
   n_acc, n_extra = len(acc_in), layout.num_extra
   outs = _jax.jit_p.bind(
       *acc_in,

@@ -277,6 +277,7 @@ def trace_and_collect(
     ``(f's output, collected)``.
   """
   collector = capture_lib.Collector(accepts_key)
+  collector.python_folds = True  # each sow is folded as it is bound
   trace = CaptureTrace(_jax.trace_ctx.trace, collector)
   try:
     with staging(accepts_key), _jax.set_current_trace(trace):

@@ -577,3 +577,112 @@ class EagerLikeFTest(parameterized.TestCase):
 
 if __name__ == '__main__':
   absltest.main()
+
+
+# ----------------------------------------------------------------------------
+# selecting names
+
+
+def _layers(x):
+  """Three tanh layers and a scan; the same program without sow is below."""
+  for i in range(3):
+    x = sow(jnp.tanh(x + i), name=('blk', i, 'resid'))
+    sow(x * 2.0, name=('blk', i, 'attn'))
+
+  def body(c, xi):
+    sow(c, name='carry')
+    sow(xi, name='xs')
+    return c + xi, None
+
+  x = jax.lax.scan(body, x, jnp.ones((4, 3)))[0]
+  sow(jnp.sum(x), name='total', reduce_fn=add, init_fn=lambda: 0.0)
+  return x
+
+
+def _layers_by_hand(x):
+  resid, attn = [], []
+  for i in range(3):
+    x = np.tanh(x + i)
+    resid.append(x)
+    attn.append(x * 2.0)
+  carries = []
+  for _ in range(4):
+    carries.append(x)
+    x = x + 1.0
+  return x, resid, attn, np.stack(carries)
+
+
+class NamesSelectionTest(parameterized.TestCase):
+
+  @parameterized.parameters('eager', 'jit', 'jit_inside')
+  def test_callable_and_iterable(self, how):
+    def run(**kw):
+      if how == 'eager':
+        return capture(_layers, **kw)(X)
+      if how == 'jit':
+        return jax.jit(capture(_layers, **kw))(X)
+      return capture(jax.jit(_layers), **kw)(X)
+
+    out, resid, attn, carries = _layers_by_hand(X)
+    got, collected = run(names=lambda n: n[-1] == 'resid')
+    np.testing.assert_allclose(got, out, rtol=1e-6)
+    self.assertEqual(list(collected), [('blk', i, 'resid') for i in range(3)])
+    for i in range(3):
+      np.testing.assert_allclose(
+          collected[('blk', i, 'resid')][0], resid[i], rtol=1e-6
+      )
+    _, collected = run(names=['carry', ('blk', 1, 'attn'), 'total'])
+    # In order of first sow, whatever order names lists them in.
+    self.assertEqual(list(collected), [('blk', 1, 'attn'), 'carry', 'total'])
+    np.testing.assert_allclose(collected['carry'][0], carries, rtol=1e-6)
+    np.testing.assert_allclose(
+        collected[('blk', 1, 'attn')][0], attn[1], rtol=1e-6
+    )
+    np.testing.assert_allclose(collected['total'], np.sum(out), rtol=1e-6)
+
+  def test_unselected_sows_cost_nothing(self):
+    # Only the output and the one selected entry leave the jitted program.
+    jaxpr = jax.make_jaxpr(capture(_layers, names=['carry']))(X)
+    self.assertLen(jaxpr.jaxpr.outvars, 2)
+    self.assertEqual(jaxpr.out_avals[1].shape, (4, 3))
+    # The scan carries no accumulator and stacks only the selected ys.
+    (scan,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == 'scan']
+    self.assertLen(scan.outvars, 2)
+
+  def test_the_rest_stay_for_an_enclosing_capture(self):
+    (out, inner), outer = capture(capture(_layers, names=['carry']))(X)
+    self.assertEqual(list(inner), ['carry'])
+    self.assertEqual(
+        list(outer),
+        [
+            ('blk', 0, 'resid'),
+            ('blk', 0, 'attn'),
+            ('blk', 1, 'resid'),
+            ('blk', 1, 'attn'),
+            ('blk', 2, 'resid'),
+            ('blk', 2, 'attn'),
+            'xs',
+            'total',
+        ],
+    )
+    np.testing.assert_allclose(out, _layers_by_hand(X)[0], rtol=1e-6)
+
+  def test_names_and_tags_together(self):
+    def f(x):
+      sow(x, name='a', tag='t')
+      sow(x * 2.0, name='b', tag='t')
+      sow(x * 3.0, name='a', tag='u')
+      return x
+
+    _, collected = capture(f, tags=['t'], names=['a'])(X)
+    self.assertEqual(list(collected), ['a'])
+    self.assertLen(collected['a'], 1)
+    np.testing.assert_allclose(collected['a'][0], X)
+
+  def test_bad_names(self):
+    with self.assertRaisesRegex(TypeError, r"names=\('h',\)"):
+      capture(_layers, names='h')
+    with self.assertRaisesRegex(TypeError, 'names must be None'):
+      capture(_layers, names=3)
+    with self.assertRaisesRegex(TypeError, 'name must be a str'):
+      capture(_layers, names=[('blk', 1.5)])

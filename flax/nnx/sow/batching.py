@@ -54,7 +54,7 @@ from flax.nnx.sow.primitive import staging_captures
 
 def _has_plain_sows(closed: _jax.ClosedJaxpr) -> bool:
   return any(
-      accepts(PLAIN_SOWS, s.tag, s.reduction, s.kind)
+      accepts(PLAIN_SOWS, s.tag, s.reduction, s.kind, s.name)
       for s in sow_sites(closed.jaxpr)
   )
 
@@ -158,7 +158,7 @@ def _cond_batcher(jax_rule, axis_data, args, dims, *, branches, **params):
       # every branch and collect a value for every example, also those that
       # took another branch, so it is the error it is without vmap.
       if any(
-          accepts(key, s.tag, s.reduction, s.kind)
+          accepts(key, s.tag, s.reduction, s.kind, s.name)
           for key in staging_captures()
           for b in branches
           for s in sow_sites(b.jaxpr)

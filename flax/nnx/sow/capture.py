@@ -314,18 +314,51 @@ Used to hoist plain sows out of a construct (``batching.py``).
 """
 
 
+@dataclasses.dataclass(frozen=True)
+class Selection:
+  """The ``accepts_key`` of a capture that selects names (``names=``).
+
+  ``tags`` is ``None`` (every tag) or a frozenset; ``names`` a frozenset of
+  names or a callable ``name -> bool``. A capture without ``names`` keeps its
+  ``tags`` (``None`` or a frozenset) as its key.
+  """
+
+  tags: frozenset | None
+  names: tp.Any
+
+  def accepts_name(self, name: Name) -> bool:
+    if isinstance(self.names, frozenset):
+      return name in self.names
+    return bool(self.names(name))
+
+
+def tags_of(accepts_key) -> frozenset | None:
+  """The tags a capture's ``accepts_key`` takes (``None``: every tag)."""
+  if isinstance(accepts_key, Selection):
+    return accepts_key.tags
+  return accepts_key
+
+
 def accepts(
-    accepts_key: frozenset | None | object,
+    accepts_key: frozenset | Selection | None | object,
     tag: tp.Hashable,
     reduction: Reduction | None,
     kind: str = 'value',
+    name: Name | None = None,
 ) -> bool:
-  """Whether a capture with ``accepts_key`` collects a sow of ``tag``."""
+  """Whether a capture with ``accepts_key`` collects a sow of ``tag`` and
+  ``name``."""
   if accepts_key is PLAIN_SOWS:
     # Hoisting moves values; markers stay where they are (a perturb marker
     # must meet the JVP there).
     return reduction is None and kind not in MARKER_KINDS
-  return accepts_key is None or tag in accepts_key
+  if accepts_key is None:
+    return True
+  if isinstance(accepts_key, Selection):
+    return (
+        accepts_key.tags is None or tag in accepts_key.tags
+    ) and accepts_key.accepts_name(name)
+  return tag in accepts_key
 
 
 class Collector:
@@ -358,9 +391,13 @@ class Collector:
   # -- which sows this capture takes --------------------------------------
 
   def accepts(
-      self, tag: tp.Hashable, reduction: Reduction | None, kind: str = 'value'
+      self,
+      tag: tp.Hashable,
+      reduction: Reduction | None,
+      kind: str = 'value',
+      name: Name | None = None,
   ) -> bool:
-    return accepts(self.accepts_key, tag, reduction, kind)
+    return accepts(self.accepts_key, tag, reduction, kind, name)
 
   def accepted_sites(
       self, jaxprs: tp.Iterable[_jax.Jaxpr | _jax.ClosedJaxpr]
@@ -369,13 +406,13 @@ class Collector:
         s
         for j in jaxprs
         for s in sow_sites(as_jaxpr(j))
-        if self.accepts(s.tag, s.reduction, s.kind)
+        if self.accepts(s.tag, s.reduction, s.kind, s.name)
     ]
 
   def has_work(self, jaxprs) -> bool:
     for j in jaxprs:
       for s in sow_sites(as_jaxpr(j)):
-        if self.accepts(s.tag, s.reduction, s.kind):
+        if self.accepts(s.tag, s.reduction, s.kind, s.name):
           return True
     return False
 
@@ -521,7 +558,9 @@ class Collector:
 
   def on_sow(self, eqn: _jax.JaxprEqn, invals: list[tp.Any]) -> list[tp.Any]:
     p = eqn.params
-    if p['remat_copy'] or not self.accepts(p['tag'], p['reduction'], p['kind']):
+    if p['remat_copy'] or not self.accepts(
+        p['tag'], p['reduction'], p['kind'], p['name']
+    ):
       return _jax.bind_equation(eqn, invals)
     return self.sow(p, invals, where(eqn))
 
@@ -935,7 +974,9 @@ def edit_plain_sows(
   for eqn in jaxpr.eqns:
     p = eqn.params
     if eqn.primitive is sow_p and not p['remat_copy']:
-      if accepts(accepts_key, p['tag'], p['reduction'], p['kind']):
+      if accepts(
+          accepts_key, p['tag'], p['reduction'], p['kind'], p['name']
+      ):
         if p['reduction'] is not None:
           return None
         operands = [
@@ -965,7 +1006,7 @@ def edit_plain_sows(
           sown.extend(operands)
         continue
     elif any(
-        accepts(accepts_key, s.tag, s.reduction, s.kind)
+        accepts(accepts_key, s.tag, s.reduction, s.kind, s.name)
         for sub in _jax.jaxprs_in_params(p)
         for s in sow_sites(sub)
     ):
@@ -1109,7 +1150,10 @@ def is_array(x) -> bool:
 
 
 def capture(
-    f: tp.Callable[..., tp.Any], *, tags: tp.Iterable[tp.Hashable] | None = None
+    f: tp.Callable[..., tp.Any],
+    *,
+    tags: tp.Iterable[tp.Hashable] | None = None,
+    names: tp.Iterable[Name] | tp.Callable[[Name], bool] | None = None,
 ) -> tp.Callable[..., tuple[tp.Any, dict[Name, tp.Any]]]:
   """Transforms ``f`` to also return every value it sows.
 
@@ -1138,6 +1182,14 @@ def capture(
       sows whose ``tag`` is listed are collected; the rest stay in the program
       for an enclosing capture. A sow is collected by the innermost capture
       that accepts it.
+    names: ``None`` to collect every name, an iterable of names (exact match:
+      ``str`` or tuple paths), or a callable ``name -> bool`` (e.g.
+      ``lambda n: n[-1] == 'resid'``). A sow is accepted when its tag and its
+      name are; the rest stay in the program for an enclosing capture and
+      cost this capture nothing (not stacked, carried or returned). Pass the
+      same callable to reuse compiled programs: a new one is a new cache key.
+      The idea is TransformerLens' ``names_filter`` and oryx's
+      ``allowlist``.
 
   Returns:
     ``g`` with ``g(*args, **kwargs) -> (f(*args, **kwargs), collected)``.
@@ -1161,7 +1213,7 @@ def capture(
       batches, a reduced sow or a vmap rule that sows other names than the
       function.
     TypeError: ``f`` is not callable, ``tags`` is not an iterable of
-      hashables, or ``f`` calls an ahead-of-time compiled function
+      hashables, ``names`` is not an iterable of names or a callable, or ``f`` calls an ahead-of-time compiled function
       (``jax.jit(g).lower(...).compile()``), which no capture can look into.
   """
   if not callable(f):
@@ -1185,6 +1237,8 @@ def capture(
           f' tag= of each sow), got tags={tags!r}.'
       ) from None
 
+  if names is not None:
+    accepts_key = Selection(accepts_key, _check_names(names))
   eager_calls = _EagerJitted(f, accepts_key)
 
   @functools.wraps(f)
@@ -1194,8 +1248,20 @@ def capture(
       return out
     return _capture_call(f, accepts_key, args, kwargs)
 
-  captured._sow_captured = (f, tags)  # pylint: disable=protected-access
+  captured._sow_captured = (f, tags, names)  # pylint: disable=protected-access
   return captured
+
+
+def _check_names(names) -> frozenset | tp.Callable[[Name], bool]:
+  if callable(names):
+    return names
+  if isinstance(names, (str, bytes)) or not isinstance(names, tp.Iterable):
+    raise TypeError(
+        f'capture: names must be None, an iterable of names or a callable'
+        f' name -> bool, got {names!r}; write names=({names!r},) to collect'
+        ' one name.'
+    )
+  return frozenset(primitive_lib.check_name(n, 'capture: names') for n in names)
 
 
 class _EagerJitted:
@@ -1309,7 +1375,7 @@ def _capture_call(f, accepts_key, args, kwargs):
       args,
       kwargs,
       in_place=True,
-      tags=accepts_key,
+      tags=tags_of(accepts_key),
   )
 
 

@@ -130,7 +130,11 @@ class Injector:
         and params['name'] in self.values
         and params['kind'] in _REPLACEABLE_KINDS
         and accepts(
-            self.accepts_key, params['tag'], params['reduction'], params['kind']
+            self.accepts_key,
+            params['tag'],
+            params['reduction'],
+            params['kind'],
+            params['name'],
         )
     )
 
@@ -930,9 +934,11 @@ def intervene(
   else:
     # intervene(capture(g), v) is capture(intervene(g, v)): the capture
     # collects the replaced values.
-    g, capture_tags = inner
+    g, capture_tags, capture_names = inner
     return capture_transform(
-        intervene(g, values, tags=tags, strict=strict), tags=capture_tags
+        intervene(g, values, tags=tags, strict=strict),
+        tags=capture_tags,
+        names=capture_names,
     )
 
   token = _Token()

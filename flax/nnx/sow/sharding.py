@@ -384,12 +384,15 @@ def _vmap_error(name, where_='') -> NotImplementedError:
   )
 
 
-def _collected_now(tag, reduction, kind) -> bool:
-  """Whether a capture being staged collects a plain sow of ``tag``."""
+def _collected_now(tag, reduction, kind, name) -> bool:
+  """Whether a capture being staged collects a plain sow of ``tag`` and
+  ``name``."""
   return (
       reduction is None
       and kind not in MARKER_KINDS
-      and any(accepts(key, tag, None, kind) for key in staging_captures())
+      and any(
+          accepts(key, tag, None, kind, name) for key in staging_captures()
+      )
   )
 
 
@@ -397,7 +400,9 @@ def _sow_batch(original, axis_data, leaves, dims, **params):
   if (
       _batching.axes
       and params['effect']
-      and _collected_now(params['tag'], params['reduction'], params['kind'])
+      and _collected_now(
+          params['tag'], params['reduction'], params['kind'], params['name']
+      )
       and _batched_by_outer_vmap(axis_data)
   ):
     raise _vmap_error(params['name'])
@@ -415,7 +420,7 @@ def _loop_batch(original, axis_data, args, dims, **params):
     for sub in _jax.jaxprs_in_params(params):
       for site in sow_sites(sub):
         if site.eqn.params['effect'] and _collected_now(
-            site.tag, site.reduction, site.kind
+            site.tag, site.reduction, site.kind, site.name
         ):
           raise _vmap_error(site.name, site.where)
   return original(axis_data, args, dims, **params)

@@ -686,3 +686,42 @@ class NamesSelectionTest(parameterized.TestCase):
       capture(_layers, names=3)
     with self.assertRaisesRegex(TypeError, 'name must be a str'):
       capture(_layers, names=[('blk', 1.5)])
+
+
+class NameConventionTest(absltest.TestCase):
+  """A Module.sow name is its path, a tuple, in every result format."""
+
+  def test_one_convention(self):
+    from flax import nnx  # pylint: disable=g-import-not-at-top
+    from flax.nnx.sow import collected_to_state  # pylint: disable=g-import-not-at-top
+    from flax.nnx.sow import state_to_collected  # pylint: disable=g-import-not-at-top
+
+    class Block(nnx.Module):
+
+      def __call__(self, x):
+        self.sow(nnx.Intermediate, 'y', x * 2.0)
+        return x
+
+    class Net(nnx.Module):
+
+      def __init__(self):
+        self.inner = Block()
+
+      def __call__(self, x):
+        self.sow(nnx.Intermediate, 'top', x + 1.0)
+        return self.inner(x)
+
+    net = Net()
+    x = jnp.arange(2.0)
+    _, functional = capture(net)(x)
+    _, state = nnx.capture(net, nnx.Intermediate)(x)
+    from_state = state_to_collected(state)
+    self.assertEqual(list(functional), [('top',), ('inner', 'y')])
+    self.assertEqual(set(from_state), {('top',), ('inner', 'y')})
+    for name in functional:
+      np.testing.assert_allclose(from_state[name][0], functional[name][0])
+    np.testing.assert_allclose(functional[('top',)][0], [1.0, 2.0])
+    np.testing.assert_allclose(functional[('inner', 'y')][0], [0.0, 2.0])
+    # A State built from functional names gives them back as they were.
+    back = state_to_collected(collected_to_state({'a': (x,), ('b', 1): (x,)}))
+    self.assertEqual(list(back), ['a', ('b', 1)])

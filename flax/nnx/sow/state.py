@@ -141,9 +141,8 @@ def collected_to_state(
     node[path[-1]] = _variable_type(variable_type, name)(
         value, hijax=False, ref=False
     )
-  object.__setattr__(
-      root, _ORDER_ATTR, tuple(name_to_path(n) for n in collected)
-  )
+  # The names as given, in order: state_to_collected gives them back.
+  object.__setattr__(root, _ORDER_ATTR, tuple(collected))
   return root
 
 
@@ -153,9 +152,12 @@ def state_to_collected(
   """Flattens a path-keyed State of Variables into a flat ``collected`` dict.
 
   The inverse of :func:`collected_to_state`: each Variable leaf becomes
-  ``path -> value``, with one-element paths written as the bare ``str`` key,
-  so code that read ``nnx.pop(model, nnx.Intermediate)`` or the State of
-  ``nnx.capture`` can move to the dict ``capture`` returns.
+  ``path -> value``, so code that read ``nnx.pop(model, nnx.Intermediate)``
+  or the State of ``nnx.capture`` can move to the dict ``capture`` returns.
+  One convention: a name is its path, a tuple, as ``capture`` names a
+  ``Module.sow`` (``('y',)`` for a sow by the root module). A State built by
+  :func:`collected_to_state` gives back the names it was given (a ``str``
+  stays a ``str``), in their order.
 
   >>> import jax.numpy as jnp
   >>> from flax import nnx
@@ -187,8 +189,7 @@ def state_to_collected(
     for key, value in node.items():
       path = (*prefix, key)
       if isinstance(value, nnx.Variable):
-        key = path[0] if len(path) == 1 and isinstance(path[0], str) else path
-        out[key] = value.get_value()
+        out[path] = value.get_value()
       elif isinstance(value, tp.Mapping):
         visit(value, path)
       else:
@@ -198,10 +199,10 @@ def state_to_collected(
         )
 
   visit(state, ())
-  order = getattr(state, '__dict__', {}).get(_ORDER_ATTR)
-  by_path = {name_to_path(k): k for k in out}
-  if order is not None and set(order) == set(by_path):
-    return Collected((by_path[p], out[by_path[p]]) for p in order)
+  names = getattr(state, '__dict__', {}).get(_ORDER_ATTR)
+  if names is not None and {name_to_path(n) for n in names} == set(out):
+    # Built by collected_to_state: its names, as given and in that order.
+    return Collected((n, out[name_to_path(n)]) for n in names)
   return Collected(out)
 
 

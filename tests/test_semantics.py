@@ -725,3 +725,51 @@ class NameConventionTest(absltest.TestCase):
     # A State built from functional names gives them back as they were.
     back = state_to_collected(collected_to_state({'a': (x,), ('b', 1): (x,)}))
     self.assertEqual(list(back), ['a', ('b', 1)])
+
+
+def _shift_in(acc, v):
+  return acc * 10.0 + v
+
+
+class ReductionOrderTest(parameterized.TestCase):
+  """Which init_fn starts a name, and the fold order under vmap."""
+
+  def _gated(self, x):
+    def on(x):
+      sow(x, name='log', reduce_fn=_shift_in, init_fn=lambda: jnp.float32(1))
+      return x
+
+    def off(x):
+      sow(x, name='log', reduce_fn=_shift_in, init_fn=lambda: jnp.float32(2))
+      return x
+
+    return jax.lax.cond(x > 0, on, off, x)
+
+  @parameterized.parameters(False, True)
+  def test_cond_starts_from_true_fun(self, jit):
+    run = jax.jit(capture(self._gated)) if jit else capture(self._gated)
+    self.assertEqual(float(run(jnp.float32(3.0))[1]['log']), 13.0)
+    self.assertEqual(float(run(jnp.float32(-3.0))[1]['log']), 7.0)
+
+  def test_switch_starts_from_branch_zero(self):
+    def make(k):
+      def branch(x):
+        sow(x, name='log', reduce_fn=_shift_in, init_fn=lambda: 5.0 + k)
+        return x
+
+      return branch
+
+    f = lambda i, x: jax.lax.switch(i, [make(0), make(1), make(2)], x)
+    for i in range(3):
+      _, collected = capture(f)(i, jnp.float32(1.0))
+      self.assertEqual(float(collected['log']), 51.0)  # 5 * 10 + 1
+
+  def test_vmap_folds_site_by_site(self):
+    def two_sites(x):
+      sow(x, name='seq', reduce_fn=_shift_in, init_fn=lambda: 0.0)
+      sow(x + 5.0, name='seq', reduce_fn=_shift_in, init_fn=lambda: 0.0)
+      return x
+
+    xs = jnp.array([1.0, 2.0])
+    for run in (capture(jax.vmap(two_sites)), jax.jit(capture(jax.vmap(two_sites)))):
+      self.assertEqual(float(run(xs)[1]['seq']), 1267.0)

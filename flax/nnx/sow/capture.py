@@ -647,6 +647,16 @@ class Collector:
       ):
         raise _sharded_error(site.name, site.where)
       sharded[site.name] = both
+    # A new accumulator starts from the init_fn() of the name's site traced
+    # first (the same as the first in program order, except across the
+    # branches of a cond: true_fun's, the branch written first).
+    first: dict[Name, SowSite] = {}
+    for site in sites:
+      if site.reduction is not None and (
+          site.name not in first
+          or site.reduction.traced < first[site.name].reduction.traced
+      ):
+        first[site.name] = site
     specs: dict[Name, ReducedSpec] = {}
     for site in sites:
       if site.reduction is None:
@@ -655,6 +665,7 @@ class Collector:
         continue
       if site.name in specs:
         continue
+      site = first[site.name]
       snap = site.reduction.snapshot
       if (
           site.name not in self.accumulators

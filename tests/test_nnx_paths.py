@@ -613,3 +613,77 @@ class HooksTest(PathsTestCase):
 
 if __name__ == '__main__':
   absltest.main()
+
+
+class SharedTransformedFunctionTest(absltest.TestCase):
+  """One NNX-transformed function applied to modules of equal structure."""
+
+  def _block_type(self):
+    class Block(nnx.Module):
+
+      def __init__(self, rngs):
+        self.lin = nnx.Linear(4, 4, rngs=rngs)
+
+      def __call__(self, x):
+        y = jnp.tanh(self.lin(x))
+        self.sow(nnx.Intermediate, 'act', y)
+        return y
+
+    return Block
+
+  def test_each_module_gets_its_own_path(self):
+    block = self._block_type()
+    x = jnp.ones((2, 4))
+    for transform in (nnx.jit, nnx.remat):
+      apply = transform(lambda b, x: b(x))
+
+      class Model(nnx.Module):
+
+        def __init__(self, rngs):
+          self.blocks = nnx.List([block(rngs), block(rngs)])
+
+        def __call__(self, x):
+          for b in self.blocks:
+            x = apply(b, x)
+          return x
+
+      model = Model(nnx.Rngs(0))
+      _, state = nnx.capture(model, nnx.Intermediate)(x)
+      # By hand: block 0 sees x, block 1 sees block 0's output.
+      h0 = jnp.tanh(model.blocks[0].lin(x))
+      h1 = jnp.tanh(model.blocks[1].lin(h0))
+      self.assertEqual(sorted(state['blocks']), [0, 1])
+      np.testing.assert_allclose(state['blocks'][0]['act'][0], h0, 1e-6)
+      np.testing.assert_allclose(state['blocks'][1]['act'][0], h1, 1e-6)
+
+  def test_nnx_scan_over_two_stacks(self):
+    block = self._block_type()
+
+    def stack(rngs):
+      @nnx.split_rngs(splits=2)
+      @nnx.vmap(in_axes=(0,), out_axes=0)
+      def make(rngs):
+        return block(rngs)
+
+      return make(rngs)
+
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def run(x, b):
+      return b(x)
+
+    class EncDec(nnx.Module):
+
+      def __init__(self, rngs):
+        self.enc = stack(rngs)
+        self.dec = stack(rngs)
+
+      def __call__(self, x):
+        return run(run(x, self.enc), self.dec)
+
+    model = EncDec(nnx.Rngs(0))
+    x = jnp.ones((2, 4))
+    _, state = nnx.capture(model, nnx.Intermediate)(x)
+    self.assertEqual(sorted(state), ['dec', 'enc'])
+    _, collected = capture(lambda m, x: m(x))(model, x)
+    self.assertEqual(list(collected), [('enc', 'act'), ('dec', 'act')])
+    self.assertEqual(collected[('enc', 'act')][0].shape, (2, 2, 4))

@@ -83,6 +83,9 @@ Path = tuple[tp.Union[str, int], ...]
 # sows named by that capture's paths, and outside any capture Module.sow has
 # its legacy behaviour, so the two must not share a cache entry.
 TRACE_KEY = jax.make_user_context(None)
+# Its setting, to change the key without a ``with`` block (``trace_key``
+# restores it when the captured function returns).
+TRACE_KEY_CONFIG = TRACE_KEY._obj  # pylint: disable=protected-access
 
 
 def is_graph_leaf(x) -> bool:
@@ -470,15 +473,35 @@ class ActiveScope:
 
 
 class trace_key:
-  """Keys jit caches on the active scopes while the captured function runs."""
+  """Keys jit caches on the active scopes while the captured function runs.
+
+  The key also holds the paths of the modules split last (see
+  :func:`_key_on_split`): a function an NNX transform traced for one module
+  (``nnx.jit``, ``nnx.scan``, ``nnx.remat`` of one function applied to two
+  modules of equal structure) has that module's path in its sows, so its
+  cached trace must not serve the other module.
+  """
 
   def __enter__(self):
     key = tuple(s.fingerprint() for s in LOCAL.scopes)
-    self._key = TRACE_KEY(key)
+    self._key = TRACE_KEY((key, ()))
     self._key.__enter__()
 
   def __exit__(self, *exc):
     self._key.__exit__(*exc)
+
+
+def _key_on_split(node) -> None:
+  """Puts the paths of the modules in ``node`` (being split) in the key."""
+  current = TRACE_KEY.value
+  if not isinstance(current, tuple) or len(current) != 2:
+    return  # not inside a captured function
+  paths = tuple(
+      tuple(scope.resolve(n) for scope in LOCAL.scopes)
+      for n, _ in _nodes_in(node, ())
+  )
+  if paths and paths != current[1]:
+    TRACE_KEY_CONFIG.swap_local((current[0], paths))
 
 
 def innermost_naming(obj, *groups: list[Scope]) -> tuple[Scope, Path] | None:
@@ -657,6 +680,8 @@ def _flatten(node, /, **kwargs):
   if _watching() and _is_splittable(node):
     for scope in LOCAL.scopes:
       scope.note_split(out[0], node)
+    with _busy():
+      _key_on_split(node)
   return out
 
 

@@ -254,7 +254,8 @@ def _meaning_error(name, where_=''):
       f'capture: {name!r}{where_} is used by sow(...) and by perturb(...) in'
       ' one capture. A name holds sown values or perturb cotangents, never'
       ' both (intervene could not tell a gradient from a value); give the'
-      ' perturb another name, e.g. name=(..., "grad").'
+      ' perturb another name, e.g. name=(..., "grad"), or collect the two in'
+      ' separate captures by tag (capture(f, tags=[...])).'
   )
 
 

@@ -19,12 +19,13 @@ Hypothesis draws a random program: a tree of nodes that nests ``jax.jit``,
 ``jax.checkpoint`` (with policies), ``jax.vmap``, ``jax.custom_jvp``,
 ``jax.custom_vjp`` (also with rules that never call the primal function),
 ``jax.linearize`` (its linear map applied 0 to 2 times), ``jax.vjp`` (its
-pullback applied once or twice, so the program runs its own backward passes),
+pullback applied 0 to 2 times, so the program runs its own backward passes),
 Python loops and inner ``capture`` calls a few levels deep, with plain,
-reduced and tagged sows and ``perturb`` markers at random places. Sown values are the running value, a loop-invariant value closed over
-by the body, or a constant; reductions are shared functions or lambdas
-written inline at the site (a new object per call, closing over the Python
-loop variable), with ``init_fn`` returning arrays or Python scalars. Two
+reduced and tagged sows and ``perturb`` markers at random places. Sown
+values are the running value, a loop-invariant value closed over by the
+body, or a constant; reductions are shared functions or lambdas written
+inline at the site (a new object per call, closing over the Python loop
+variable), with ``init_fn`` returning arrays or Python scalars. Two
 interpreters run the same description:
 
 * :func:`_run_sown` calls ``sow``/``perturb``/``capture``;
@@ -121,7 +122,7 @@ FEATURES = (
     'batched_cond',  # cond on a batched predicate inside vmap
     'skip_primal',  # custom_jvp/custom_vjp rules that never call the primal
     'linearize',  # jax.linearize inside, its linear map applied 0-2 times
-    'backward',  # jax.vjp inside, its pullback applied 1-2 times
+    'backward',  # jax.vjp inside, its pullback applied 0-2 times
     'meaning',  # invalid: one name both sown and perturbed
 )
 _EXCLUDED = frozenset(
@@ -896,7 +897,7 @@ def _node_explicit(node, x, p, accs, cx):
 #   ('lin', body, n)                 y, lin = jax.linearize(body, x); the
 #                                    linear map applied to n (0-2) tangents
 #   ('vjp', body, n)                 y, pb = jax.vjp(body, x); the pullback
-#                                    applied to n (1-2) cotangents, so each
+#                                    applied to n (0-2) cotangents, so each
 #                                    perturb in the body is collected once per
 #                                    pass (an entry of kind 'cot' in the log)
 #
@@ -928,7 +929,7 @@ def _ad_nodes(draw, kind, depth, ctx):
     body = draw(_bodies(depth, ctx._replace(fwd=True)))
     return ('lin', body, draw(st.integers(0, len(LIN_TANGENTS))))
   body = draw(_bodies(depth, ctx))
-  return ('vjp', body, draw(st.integers(1, len(VJP_COTANGENTS))))
+  return ('vjp', body, draw(st.integers(0, len(VJP_COTANGENTS))))
 
 
 def _strip(body):
@@ -957,10 +958,18 @@ def _ad_node_sown(node, x, p, env):
     def fn(x, p, q):
       return _run_sown(body, x, p, env._replace(q=q))
 
+    # The rule's primal output: the body without its sows, under the same
+    # rule (so that differentiating the rule again still gives 2.0), but
+    # another function than fn.
+    @jax.custom_jvp
+    def bare(x, p, q):
+      return _run_sown(_strip(body), x, p, env._replace(q=q))
+
+    bare.defjvp(lambda primals, tangents: (bare(*primals), 2.0 * tangents[0]))
+
     @fn.defjvp
     def fn_jvp(primals, tangents):
-      x, p, q = primals
-      return _run_sown(_strip(body), x, p, env._replace(q=q)), 2.0 * tangents[0]
+      return bare(*primals), 2.0 * tangents[0]
 
     return fn(x, p, env.q)
   if kind == 'cvjp_skip':

@@ -1013,12 +1013,8 @@ def _ad_node_explicit(node, x, p, accs, cx):
     return y, (accs_out, [entry[3] for entry in log])
 
   if kind == 'lin':
-    y, lin, (accs, vals) = jax.linearize(
-        lambda x: run(x, eps), x, has_aux=True
-    )
-    y = y + 0.1 * sum(
-        lin(jnp.full_like(x, t)) for t in LIN_TANGENTS[: node[2]]
-    )
+    y, lin, (accs, vals) = jax.linearize(lambda x: run(x, eps), x, has_aux=True)
+    y = y + 0.1 * sum(lin(jnp.full_like(x, t)) for t in LIN_TANGENTS[: node[2]])
     return y, p, accs, [(*m, v) for m, v in zip(meta, vals)]
   assert kind == 'vjp', kind
   # The cotangent at each perturb of one pass is the gradient with respect

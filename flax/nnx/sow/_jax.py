@@ -84,6 +84,7 @@ def partial_eval_jaxpr_nounits(*args, **kwargs):
   wrapped, see :func:`wrap_partial_eval_nounits`)."""
   return pe.partial_eval_jaxpr_nounits(*args, **kwargs)
 
+
 primitive_jvps = ad.primitive_jvps
 primitive_transposes = ad.primitive_transposes
 instantiate_zeros = ad.instantiate_zeros
@@ -165,6 +166,13 @@ def _stores(fun: lu.WrappedFun) -> list[lu.Store]:
 def stores_filled(fun: lu.WrappedFun) -> bool:
   """Whether calling ``fun`` has written its auxiliary outputs."""
   return any(bool(s) for s in _stores(fun))
+
+
+def wrap_call(fun: lu.WrappedFun, around: tp.Callable) -> lu.WrappedFun:
+  """``fun`` called as ``around(fun.call_wrapped, *args)``; same debug info."""
+  return lu.wrap_init(
+      lambda *args: around(fun.call_wrapped, *args), debug_info=fun.debug_info
+  )
 
 
 def reset_stores(fun: lu.WrappedFun) -> None:

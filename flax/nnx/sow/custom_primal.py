@@ -31,24 +31,43 @@ does not collect them a second time. Sows the rule makes under other names
 (a ``fwd`` rule's own sows) and sows in a ``bwd`` rule are collected as
 before. Where the primal output is not needed, the extra evaluation is
 removed by dead-code elimination under ``jax.jit``, except the sows.
+
+The rule may bind a custom call of its own where nothing differentiates
+(inside a ``lax.cond`` branch that JAX's JVP rule stages, for instance);
+JAX traces that call's ``jvp``/``fwd`` rule later, when the call is
+differentiated again (``jax.grad`` of a ``jax.linearize``), outside the
+rule. That rule is traced with the same names hidden, or it would collect
+the primal body's sows a second time.
 """
 
 from __future__ import annotations
 
 from flax.nnx.sow import _jax
 from flax.nnx.sow.capture import sow_sites
+from flax.nnx.sow.primitive import hidden_names
 from flax.nnx.sow.primitive import hiding
 from flax.nnx.sow.primitive import staging_active
 
 
 def _primal_sow_names(closed: _jax.ClosedJaxpr) -> frozenset:
-  return frozenset(
-      s.name for s in sow_sites(closed.jaxpr) if s.kind == 'value'
-  )
+  return frozenset(s.name for s in sow_sites(closed.jaxpr) if s.kind == 'value')
+
+
+def _rule_hiding(params, names):
+  """``params`` whose ``jvp``/``fwd`` rule runs with ``names`` hidden."""
+  fun, rule, *rest = params['subfuns']
+
+  def around(call, *args):
+    with hiding(names):
+      return call(*args)
+
+  return dict(params, subfuns=(fun, _jax.wrap_call(rule, around), *rest))
 
 
 def _differentiated_custom_call(original, trace, args, avals, params, /):
   if not (staging_active() and _jax.is_differentiating(trace)):
+    if staging_active() and hidden_names():
+      params = _rule_hiding(params, hidden_names())
     return original(trace, args, avals, params)
   if not any(_jax.has_tangent(trace, x) for x in args):
     return original(trace, args, avals, params)  # the rule does not run

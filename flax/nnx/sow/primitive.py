@@ -139,6 +139,11 @@ def hiding(names: tp.Iterable[Name]):
   return _HIDDEN(_HIDDEN.value | frozenset(names))
 
 
+def hidden_names() -> frozenset:
+  """The names :func:`hiding` hides now."""
+  return _HIDDEN.value
+
+
 def staging_active() -> bool:
   return bool(_STAGING.value)
 

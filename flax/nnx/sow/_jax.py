@@ -84,7 +84,6 @@ def partial_eval_jaxpr_nounits(*args, **kwargs):
   wrapped, see :func:`wrap_partial_eval_nounits`)."""
   return pe.partial_eval_jaxpr_nounits(*args, **kwargs)
 
-
 primitive_jvps = ad.primitive_jvps
 primitive_transposes = ad.primitive_transposes
 instantiate_zeros = ad.instantiate_zeros

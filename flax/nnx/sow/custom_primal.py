@@ -50,7 +50,9 @@ from flax.nnx.sow.primitive import staging_active
 
 
 def _primal_sow_names(closed: _jax.ClosedJaxpr) -> frozenset:
-  return frozenset(s.name for s in sow_sites(closed.jaxpr) if s.kind == 'value')
+  return frozenset(
+      s.name for s in sow_sites(closed.jaxpr) if s.kind == 'value'
+  )
 
 
 def _rule_hiding(params, names):

@@ -17,12 +17,15 @@
 Hypothesis draws a random program: a tree of nodes that nests ``jax.jit``,
 ``lax.scan``, ``lax.while_loop``, ``lax.cond``/``lax.switch``,
 ``jax.checkpoint`` (with policies), ``jax.vmap``, ``jax.custom_jvp``,
-``jax.custom_vjp``, Python loops and inner ``capture`` calls a few levels
-deep, with plain, reduced and tagged sows and ``perturb`` markers at random
-places. Sown values are the running value, a loop-invariant value closed over
-by the body, or a constant; reductions are shared functions or lambdas
-written inline at the site (a new object per call, closing over the Python
-loop variable), with ``init_fn`` returning arrays or Python scalars. Two
+``jax.custom_vjp`` (also with rules that never call the primal function),
+``jax.linearize`` (its linear map applied 0 to 2 times), ``jax.vjp`` (its
+pullback applied 0 to 2 times, so the program runs its own backward passes),
+Python loops and inner ``capture`` calls a few levels deep, with plain,
+reduced and tagged sows and ``perturb`` markers at random places. Sown
+values are the running value, a loop-invariant value closed over by the
+body, or a constant; reductions are shared functions or lambdas written
+inline at the site (a new object per call, closing over the Python loop
+variable), with ``init_fn`` returning arrays or Python scalars. Two
 interpreters run the same description:
 
 * :func:`_run_sown` calls ``sow``/``perturb``/``capture``;
@@ -32,7 +35,8 @@ interpreters run the same description:
   threads the reduced names through as extra carries (also of the while
   loop), routes each sow to the innermost capture whose tags accept it, and
   adds a zero ``eps`` at every ``perturb``, whose gradient is the expected
-  cotangent.
+  cotangent (of the outer backward pass, and of each pass inside the
+  program: pass by pass, each in the order of the ``perturb`` calls).
 
 The properties:
 
@@ -45,11 +49,12 @@ The properties:
 * ``capture(T(f))`` collects the same names in the same order with the same
   shapes and primal values as ``capture(f)`` for ``T`` in ``jit``,
   ``grad``, ``value_and_grad``, ``linearize``, ``jvp`` and ``checkpoint``
-  with several policies (SPEC *Invariance*); ``capture(f)`` itself is
-  checked against the explicit program;
+  with several policies (SPEC *Invariance*), and the cotangents of the
+  backward passes inside ``f`` come first, unchanged; ``capture(f)`` itself
+  is checked against the explicit program;
 * a plain name sown in only one branch of a ``cond``, or with another shape,
-  or inside a ``while_loop``, is a ``ValueError`` naming it, wherever the
-  construct sits.
+  or inside a ``while_loop``, and a name both sown and perturbed, is a
+  ``ValueError`` naming it, wherever the construct sits.
 
 Environment variables:
 
@@ -117,6 +122,10 @@ FEATURES = (
     'cvmap',  # jax.custom_batching.custom_vmap (in a custom_vjp)
     'pyloop',  # Python for-loops (inline lambdas close over the index)
     'batched_cond',  # cond on a batched predicate inside vmap
+    'skip_primal',  # custom_jvp/custom_vjp rules that never call the primal
+    'linearize',  # jax.linearize inside, its linear map applied 0-2 times
+    'backward',  # jax.vjp inside, its pullback applied 0-2 times
+    'meaning',  # invalid: one name both sown and perturbed
 )
 _EXCLUDED = frozenset(
     f for f in os.environ.get('SOW_HYPOTHESIS_EXCLUDE', '').split(',') if f
@@ -257,7 +266,8 @@ Env = collections.namedtuple('Env', 'q i')
 # perturb only where its cotangent can be collected: not under a custom
 # derivative, a cond, a while loop or an inner capture.
 
-Ctx = collections.namedtuple('Ctx', 'plain pert vmap')
+# ``fwd``: the body is differentiated in forward mode (no custom_vjp).
+Ctx = collections.namedtuple('Ctx', 'plain pert vmap fwd', defaults=(False,))
 
 
 def _tag(draw):
@@ -282,7 +292,12 @@ def _nodes(draw, depth, ctx):
     ]
     if ctx.plain and _on('inner'):
       kinds += ['inner']
+    kinds += _ad_kinds(ctx)
+  if ctx.fwd:
+    kinds = [k for k in kinds if k not in ('cvjp', 'cvjp_skip')]
   kind = draw(st.sampled_from(kinds))
+  if kind in AD_KINDS:
+    return draw(_ad_nodes(kind, depth - 1, ctx))
   if kind == 'op':
     return ('op', draw(st.integers(0, len(OPS) - 1)))
   if kind == 'sow':
@@ -516,6 +531,8 @@ def _node_sown(node, x, p, env):
   if kind == 'vmap':
     xb = jnp.stack([x, 0.5 - x])
     return _mix(jax.vmap(lambda xi: _run_sown(node[1], xi, p, env))(xb)), p
+  if kind in AD_KINDS:
+    return _ad_node_sown(node, x, p, env), p
   if kind == 'inner':
     _, body, tags, k = node
     fn = lambda x, p: _run_sown(body, x, p, env)
@@ -621,7 +638,7 @@ def _count_perturbs(body):
   for node in body:
     if node[0] == 'perturb':
       n += 1
-    elif node[0] in ('jit', 'remat', 'scan', 'vmap'):
+    elif node[0] in ('jit', 'remat', 'scan', 'vmap') + AD_KINDS:
       n += _count_perturbs(node[1])
     elif node[0] == 'pyloop':
       n += node[2] * _count_perturbs(node[1])
@@ -851,6 +868,8 @@ def _node_explicit(node, x, p, accs, cx):
     yb, deltas, vals = jax.vmap(per_example)(xb, eps)
     accs = _combine_vmapped(accs, deltas)
     return _mix(yb), p, accs, [(*m, v) for m, v in zip(meta, vals)]
+  if kind in AD_KINDS:
+    return _ad_node_explicit(node, x, p, accs, cx)
   if kind == 'inner':
     _, body, tags, _ = node
     levels = cx.levels + (_accepts(tags),)
@@ -898,6 +917,163 @@ def _node_explicit(node, x, p, accs, cx):
   raise AssertionError(node)
 
 
+# ----------------------------------------------------------------------------
+# Kinds that differentiate inside the program (features 'skip_primal',
+# 'linearize', 'backward'), in both interpreters.
+#
+#   ('cjvp_skip' | 'cvjp_skip', body)  a custom_jvp whose jvp rule (or a
+#                                    custom_vjp whose fwd rule) computes the
+#                                    primal output itself, from the body
+#                                    without its sows, and never calls the
+#                                    primal function
+#   ('lin', body, n)                 y, lin = jax.linearize(body, x); the
+#                                    linear map applied to n (0-2) tangents
+#   ('vjp', body, n)                 y, pb = jax.vjp(body, x); the pullback
+#                                    applied to n (0-2) cotangents, so each
+#                                    perturb in the body is collected once per
+#                                    pass (an entry of kind 'cot' in the log)
+#
+# Each adds 0.1 * the sum of what the linear map (pullback) returns to y.
+
+AD_KINDS = ('cjvp_skip', 'cvjp_skip', 'lin', 'vjp')
+LIN_TANGENTS = (1.0, -0.5)
+VJP_COTANGENTS = (1.0, -0.5)
+
+
+def _ad_kinds(ctx):
+  kinds = []
+  if _on('skip_primal'):
+    kinds += ['cjvp_skip', 'cvjp_skip']
+  if _on('linearize'):
+    kinds += ['lin']
+  if _on('backward'):
+    kinds += ['vjp']
+  del ctx
+  return kinds
+
+
+@st.composite
+def _ad_nodes(draw, kind, depth, ctx):
+  if kind in ('cjvp_skip', 'cvjp_skip'):
+    return (kind, draw(_bodies(depth, ctx._replace(pert=False))))
+  if kind == 'lin':
+    # JAX has no forward mode for custom_vjp.
+    body = draw(_bodies(depth, ctx._replace(fwd=True)))
+    return ('lin', body, draw(st.integers(0, len(LIN_TANGENTS))))
+  body = draw(_bodies(depth, ctx))
+  return ('vjp', body, draw(st.integers(0, len(VJP_COTANGENTS))))
+
+
+def _strip(body):
+  """``body`` without its sows and perturbs: the same output."""
+  out = []
+  for node in body:
+    kind = node[0]
+    if kind in ('sow', 'red', 'perturb'):
+      continue
+    if kind == 'inner':
+      out += _strip(node[1])
+    elif kind == 'cond':
+      out.append(('cond', tuple(_strip(b) for b in node[1]), (), node[3]))
+    elif kind == 'op':
+      out.append(node)
+    else:
+      out.append((kind, _strip(node[1]), *node[2:]))
+  return tuple(out)
+
+
+def _ad_node_sown(node, x, p, env):
+  kind, body = node[0], node[1]
+  if kind == 'cjvp_skip':
+
+    @jax.custom_jvp
+    def fn(x, p, q):
+      return _run_sown(body, x, p, env._replace(q=q))
+
+    # The rule's primal output: the body without its sows, under the same
+    # rule (so that differentiating the rule again still gives 2.0), but
+    # another function than fn.
+    @jax.custom_jvp
+    def bare(x, p, q):
+      return _run_sown(_strip(body), x, p, env._replace(q=q))
+
+    bare.defjvp(lambda primals, tangents: (bare(*primals), 2.0 * tangents[0]))
+
+    @fn.defjvp
+    def fn_jvp(primals, tangents):
+      return bare(*primals), 2.0 * tangents[0]
+
+    return fn(x, p, env.q)
+  if kind == 'cvjp_skip':
+
+    @jax.custom_vjp
+    def fn(x, p, q):
+      return _run_sown(body, x, p, env._replace(q=q))
+
+    def fn_fwd(x, p, q):
+      return _run_sown(_strip(body), x, p, env._replace(q=q)), None
+
+    fn.defvjp(fn_fwd, lambda _, ct: (2.0 * ct, None, None))
+    return fn(x, p, env.q)
+  g = lambda x: _run_sown(body, x, p, env)
+  if kind == 'lin':
+    y, lin = jax.linearize(g, x)
+    return y + 0.1 * sum(
+        lin(jnp.full_like(x, t)) for t in LIN_TANGENTS[: node[2]]
+    )
+  assert kind == 'vjp', kind
+  y, pb = jax.vjp(g, x)
+  return y + 0.1 * sum(
+      pb(jnp.full_like(y, c))[0] for c in VJP_COTANGENTS[: node[2]]
+  )
+
+
+def _ad_node_explicit(node, x, p, accs, cx):
+  kind, body = node[0], node[1]
+  if kind in ('cjvp_skip', 'cvjp_skip'):
+    # What the rule computes does not change what capture collects.
+    plain_kind = 'cjvp' if kind == 'cjvp_skip' else 'cvjp'
+    return _node_explicit((plain_kind, body), x, p, accs, cx)
+  eps = cx.eps.take(_count_perturbs(body))
+  meta = []
+
+  def run(x, e):
+    y, accs_out, log = _run_explicit(
+        body, x, p, accs, cx._replace(eps=_Stream(e))
+    )
+    meta[:] = [entry[:3] for entry in log]
+    return y, (accs_out, [entry[3] for entry in log])
+
+  if kind == 'lin':
+    y, lin, (accs, vals) = jax.linearize(lambda x: run(x, eps), x, has_aux=True)
+    y = y + 0.1 * sum(lin(jnp.full_like(x, t)) for t in LIN_TANGENTS[: node[2]])
+    return y, p, accs, [(*m, v) for m, v in zip(meta, vals)]
+  assert kind == 'vjp', kind
+  # The cotangent at each perturb of one pass is the gradient with respect
+  # to a zero added there (on top of the outer ``eps``, if any).
+  _, (_, shapes) = jax.eval_shape(lambda x: run(x, None), x)
+  perts = [m for m in meta if m[0] == 'pert']
+  zeros = [
+      jnp.zeros(v.shape, v.dtype)
+      for m, v in zip(meta, shapes)
+      if m[0] == 'pert'
+  ]
+
+  def with_eps(x, e):
+    if eps is not None:
+      e = [a + b for a, b in zip(eps, e)]
+    return run(x, e)
+
+  y, pb, (accs, vals) = jax.vjp(with_eps, x, zeros, has_aux=True)
+  entries = [(*m, v) for m, v in zip(meta, vals)]
+  dx = 0
+  for c in VJP_COTANGENTS[: node[2]]:
+    dx_c, cts = pb(jnp.full_like(y, c))
+    dx = dx + dx_c
+    entries += [('cot', m[1], m[2], ct) for m, ct in zip(perts, cts)]
+  return y + 0.1 * dx, p, accs, entries
+
+
 class Explicit:
   """The explicit program of a description, and what capture should return.
 
@@ -928,11 +1104,16 @@ class Explicit:
     ]
 
   def expected(self, accs, vals, cotangents=None):
-    """The collected dict; perturb names only when ``cotangents`` given."""
+    """The collected dict.
+
+    A perturb name holds the cotangents of the backward passes inside the
+    program ('vjp' nodes), pass by pass, then, when ``cotangents`` (of the
+    outer backward pass) are given, those; without any it is left out.
+    """
     expected = {}
     perts = [m for m in self.meta if m[0] == 'pert']
     with_perturb = cotangents is not None
-    for name, kind in _level_names(self.sites, 0, with_perturb).items():
+    for name, kind in _level_names(self.sites, 0, True).items():
       if kind == 'red':
         expected[name] = accs[0, name]
       elif kind == 'plain':
@@ -940,9 +1121,15 @@ class Explicit:
             v for m, v in zip(self.meta, vals) if m == ('plain', 0, name)
         )
       else:
-        expected[name] = tuple(
-            c for m, c in zip(perts, cotangents) if m == ('pert', 0, name)
+        inner = tuple(
+            v for m, v in zip(self.meta, vals) if m == ('cot', 0, name)
         )
+        if with_perturb:
+          expected[name] = inner + tuple(
+              c for m, c in zip(perts, cotangents) if m == ('pert', 0, name)
+          )
+        elif inner:
+          expected[name] = inner
     return expected
 
   def perturb_names(self):
@@ -990,6 +1177,8 @@ TRANSFORMS = {
     'jit_grad': lambda f: jax.jit(jax.grad(_loss(f))),
 }
 FORWARD_MODE = ('jvp', 'linearize')
+# Transforms with no backward pass of their own.
+PRIMAL_ONLY = FORWARD_MODE + ('jit', 'checkpoint', 'checkpoint_dots')
 
 
 def _nested_in_cond_branch(body):
@@ -1050,10 +1239,54 @@ def _contains(body, kind):
 #                                branch 1 does not ('missing') or sows a
 #                                scalar ('shape')
 #   ('badwhile', name)           a plain sow in a while loop
+#   ('badmeaning', name, reduced, perturb_first, jit_sow, grad)
+#                                ``name`` both sown (reduced or not, under a
+#                                jit or not) and perturbed, in either order,
+#                                under jax.grad or not
 # wrapped in jit/scan/vmap/remat layers.
 
 
+@st.composite
+def _bad_meaning(draw):
+  reduced = draw(st.booleans())
+  # Names the rest of the program may sow the same way (a plain name reduced
+  # there would raise for another reason).
+  names = (REDUCED_NAMES if reduced else PLAIN_NAMES) + PERTURB_NAMES
+  return (
+      'badmeaning',
+      draw(st.sampled_from(names)),
+      reduced,
+      draw(st.booleans()),
+      draw(st.booleans()),
+      draw(st.booleans()),
+  )
+
+
+def _run_bad_meaning(node, x):
+  _, name, reduced, perturb_first, jit_sow, grad = node
+
+  def sown(x):
+    if reduced:
+      return sow(x, name=name, reduce_fn=_sum_reduce, init_fn=_sum_init)
+    return sow(x, name=name)
+
+  steps = [jax.jit(sown) if jit_sow else sown, lambda x: perturb(x, name=name)]
+  if perturb_first:
+    steps = steps[::-1]
+
+  def g(x):
+    for step in steps:
+      x = jnp.sin(step(x))
+    return x
+
+  if grad:
+    return jax.grad(lambda x: jnp.sum(g(x)))(x)
+  return g(x)
+
+
 def _run_bad(node, x, p):
+  if node[0] == 'badmeaning':
+    return _run_bad_meaning(node, x)
   if node[0] == 'badcond':
     _, name, src, how = node
 
@@ -1259,7 +1492,7 @@ class PropertyTest(parameterized.TestCase):
   def test_invariance_under_transforms(self, program, transform, tags):
     if transform in FORWARD_MODE:
       # JAX has no forward mode for custom_vjp.
-      for kind in ('cvjp', 'remat_opt', 'cvmap'):
+      for kind in ('cvjp', 'cvjp_skip', 'remat_opt', 'cvmap'):
         hypothesis.assume(not _contains(program, kind))
     x, p = jnp.asarray(X0), jnp.asarray(P0)
     f = _sown_program(program)
@@ -1274,8 +1507,16 @@ class PropertyTest(parameterized.TestCase):
     out, collected = capture(t_f, tags=tags)(x, p)
     for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(t_f(x, p))):
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    # The backward passes inside f ('vjp' nodes) come first, so a reverse
+    # mode T only appends the cotangents of its own pass.
     perturbs = explicit.perturb_names()
+    for name in perturbs & set(base):
+      got = collected[name]
+      if transform not in PRIMAL_ONLY:
+        got = got[: len(base[name])]
+      self.assert_collected({name: got}, {name: base[name]}, rtol=1e-5)
     collected = {k: v for k, v in collected.items() if k not in perturbs}
+    base = {k: v for k, v in base.items() if k not in perturbs}
     self.assert_collected(collected, base, rtol=1e-5)
 
   @_settings('invalid')
@@ -1289,6 +1530,7 @@ class PropertyTest(parameterized.TestCase):
               st.sampled_from(['missing', 'shape']),
           ),
           st.tuples(st.just('badwhile'), st.sampled_from(PLAIN_NAMES)),
+          *([_bad_meaning()] if _on('meaning') else []),
       ),
       layers=st.lists(
           st.sampled_from(['jit', 'scan', 'vmap', 'remat']), max_size=2

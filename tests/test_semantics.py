@@ -545,38 +545,38 @@ class EagerLikeFTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, 'outside of `jax.jit`'):
       jax.jit(capture(f))(jnp.arange(3.0))
 
-  def test_disable_jit_raises_for_plain_sows(self):
-    def f(x):
+  def test_disable_jit_raises(self):
+    def scan_sows(x):
       return jax.lax.scan(lambda c, xi: (c, sow(xi, name='s')), 0.0, x)[1]
 
+    def branch_reduces(x):
+      # Sown only in the branch not taken: with jit the name still gets its
+      # init_fn() accumulator, which a Python if could not give.
+      return jax.lax.cond(
+          x[0] > 100.0,
+          lambda x: sow(x[0], name='m', reduce_fn=add, init_fn=lambda: 0.0),
+          lambda x: x[0],
+          x,
+      )
+
+    for f in (
+        scan_sows,
+        branch_reduces,
+        jax.grad(lambda x: jnp.sum(perturb(x, name='s'))),
+    ):
+      with jax.disable_jit():
+        for run in (capture(f), jax.jit(capture(f)), capture(jax.jit(f))):
+          with self.assertRaisesRegex(ValueError, 'disable_jit'):
+            run(jnp.arange(3.0))
     with jax.disable_jit():
-      with self.assertRaisesRegex(ValueError, r"'s'.*disable_jit"):
-        capture(f)(jnp.arange(3.0))
-      with self.assertRaisesRegex(ValueError, r"'s'.*disable_jit"):
-        capture(jax.grad(lambda x: jnp.sum(perturb(x, name='s'))))(X)
       with jax.disable_jit(False):  # the fix the message gives
-        _, collected = capture(f)(jnp.arange(3.0))
-      np.testing.assert_allclose(collected['s'][0], [0.0, 1.0, 2.0])
-
-  def test_disable_jit_reduced_sows_match_jit(self):
-    def f(x):
-      def body(c):
-        i, y = c
-        count_step()
-        return i + 1, y * 2.0
-
-      return jax.lax.while_loop(lambda c: c[0] < 3, body, (0, x))[1]
-
-    _, with_jit = capture(f)(X)
+        _, scanned = capture(scan_sows)(jnp.arange(3.0))
+        _, reduced = capture(branch_reduces)(jnp.arange(3.0))
+    np.testing.assert_allclose(scanned['s'][0], [0.0, 1.0, 2.0])
+    self.assertEqual(float(reduced['m']), 0.0)
+    # A program with no capture still runs under disable_jit, sows included.
     with jax.disable_jit():
-      out, without = capture(f)(X)
-    np.testing.assert_allclose(out, 8.0 * X)
-    self.assertEqual(int(with_jit['steps']), 3)
-    self.assertEqual(int(without['steps']), 3)
-
-
-if __name__ == '__main__':
-  absltest.main()
+      np.testing.assert_allclose(scan_sows(jnp.arange(3.0)), [0.0, 1.0, 2.0])
 
 
 # ----------------------------------------------------------------------------
@@ -773,3 +773,43 @@ class ReductionOrderTest(parameterized.TestCase):
     xs = jnp.array([1.0, 2.0])
     for run in (capture(jax.vmap(two_sites)), jax.jit(capture(jax.vmap(two_sites)))):
       self.assertEqual(float(run(xs)[1]['seq']), 1267.0)
+
+
+class RaisesRatherThanWrongTest(absltest.TestCase):
+  """Combinations a capture cannot collect exactly: an error, not a value."""
+
+  def test_optimize_remat_fwd_skipping_the_primal(self):
+    f = jax.custom_vjp(lambda x: sow(jnp.sin(x), name='h'))
+    f.defvjp(
+        lambda x: (jnp.sin(x), x),
+        lambda x, ct: (ct * jnp.cos(x),),
+        optimize_remat=True,
+    )
+    loss = lambda x: jnp.sum(f(x))
+    _, collected = capture(f)(X)  # not differentiated: the body runs
+    np.testing.assert_allclose(collected['h'][0], np.sin(X), rtol=1e-6)
+    for g in (jax.grad(loss), jax.grad(jax.jit(loss))):
+      with self.assertRaisesRegex(NotImplementedError, "'h'.*optimize_remat"):
+        capture(g)(X)
+
+  def test_capture_of_intervene_in_a_batched_cond(self):
+    def f(x):
+      return jax.lax.cond(
+          x.sum() > 0,
+          lambda x: sow(x * 2.0, name='k'),
+          lambda x: sow(x * 3.0, name='k'),
+          x,
+      )
+
+    xs = jnp.array([[1.0, 2.0], [-1.0, -2.0]])
+    g = intervene(jax.vmap(f), {'k': lambda v: v + 1.0})
+    with self.assertRaisesRegex(NotImplementedError, "'k'.*jax.vmap"):
+      capture(g)(xs)
+    # Intervene alone, and the vmap around both, work: by hand, the taken
+    # branch's value plus one.
+    np.testing.assert_allclose(g(xs), [[3.0, 5.0], [-2.0, -5.0]])
+    out, collected = jax.vmap(capture(intervene(f, {'k': lambda v: v + 1.0})))(
+        xs
+    )
+    np.testing.assert_allclose(out, [[3.0, 5.0], [-2.0, -5.0]])
+    np.testing.assert_allclose(collected['k'][0], [[3.0, 5.0], [-2.0, -5.0]])

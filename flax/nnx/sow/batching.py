@@ -119,10 +119,31 @@ def _scan_batcher(jax_rule, axis_data, args, dims, **params):
   return outs[:n], out_dims[:n]
 
 
+def _check_no_enclosing_capture(branches) -> None:
+  """``intervene`` keeps the sows of a cond on a batched predicate in every
+  branch, and vmap runs every branch for every example: a capture around
+  the intervene would collect every branch's value."""
+  for b in branches:
+    for s in sow_sites(b.jaxpr):
+      if s.kind not in MARKER_KINDS and any(
+          accepts(k, s.tag, s.reduction, s.kind, s.name)
+          for k in staging_captures()
+      ):
+        raise NotImplementedError(
+            f'sow {s.name!r}{s.where}: a capture around intervene cannot'
+            ' collect a sow inside `lax.cond`/`lax.switch` on a predicate'
+            ' that `jax.vmap` batches (inside the intervened function): vmap'
+            ' runs every branch for every example, so the capture would get'
+            " every branch's value. Put the vmap around both, as in"
+            ' jax.vmap(capture(intervene(f, values))).'
+        )
+
+
 def _cond_batcher(jax_rule, axis_data, args, dims, *, branches, **params):
   key = intervening()
   if key is not None and dims[0] is not None:
     _check_no_array_replacement(key, branches)
+    _check_no_enclosing_capture(branches)
   if (
       dims[0] is None
       or key is not None

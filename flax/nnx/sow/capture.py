@@ -259,19 +259,6 @@ def _meaning_error(name, where_=''):
   )
 
 
-def _disable_jit_error(name, where_=''):
-  return ValueError(
-      f'sow {name!r}{where_}: capture cannot collect a plain sow or a perturb'
-      ' cotangent under jax.disable_jit(): lax.scan, fori_loop and'
-      ' while_loop then run as Python loops, so a value sown inside one would'
-      ' come back as one entry per iteration instead of one stacked entry'
-      ' (and a plain sow in a while_loop would not raise). Leave disable_jit'
-      ' for the capture (`with jax.disable_jit(False):` around the call), or'
-      ' pass reduce_fn/init_fn, which reduce the same way with or without'
-      ' jit.'
-  )
-
-
 def _meaning(kind: str) -> str:
   return 'cotangent' if kind in ('perturb', 'cotangent') else 'value'
 
@@ -435,8 +422,6 @@ class Collector:
     if spec.name in self.accumulators:
       raise _reduction_error(spec.name, where_)
     self.claim(spec.name, spec.kind, where_)
-    if spec.kind != 'perturb' and _jax.jit_disabled():
-      raise _disable_jit_error(spec.name, where_)
     self.names.setdefault(spec.name, None)
     self.plain_names.add(spec.name)
     self.entries.append((spec, list(leaves)))
@@ -1214,7 +1199,8 @@ def capture(
     ``f`` have the mapped axis first.
 
   Raises:
-    ValueError: a plain sow inside ``lax.while_loop``; a plain name sown in
+    ValueError: a capture called under ``jax.disable_jit()``; a name both
+      sown and perturbed; a plain sow inside ``lax.while_loop``; a plain name sown in
       only some branches of ``lax.cond``/``lax.switch`` or with different
       shapes; an accumulator that changes type; one name with different
       reductions.

@@ -51,6 +51,14 @@ def _value_sow_names(closed: _jax.ClosedJaxpr) -> frozenset:
   )
 
 
+def _holds_remat_opt(jaxpr: _jax.Jaxpr) -> bool:
+  return any(
+      eqn.primitive is _jax.remat_opt_p
+      or any(_holds_remat_opt(j) for j in _jax.jaxprs_in_params(eqn.params))
+      for eqn in jaxpr.eqns
+  )
+
+
 def _stage(fn, avals, name) -> _jax.ClosedJaxpr:
   """``fn`` staged at ``avals``; the auxiliary outputs it records are
   forgotten, so that JAX can call it again."""
@@ -94,9 +102,23 @@ def _differentiated_custom_call(
     body = _stage(fun, [_jax.typeof(x) for x in primals], 'custom_primal')
     names = _value_sow_names(body)
     if names:
-      in_rule = _value_sow_names(_rule(primitive, trace, args, params))
+      rule = _rule(primitive, trace, args, params)
+      in_rule = _value_sow_names(rule)
   if not names or names <= in_rule:
     return original(trace, args, avals, params)
+  if _holds_remat_opt(rule.jaxpr):
+    # custom_vjp(optimize_remat=True): JAX may run the primal function in
+    # place of fwd (when its residuals are unused), with the body's sows, so
+    # neither collecting them here nor leaving them collects them once.
+    missing = sorted(map(repr, names - in_rule))
+    raise NotImplementedError(
+        f'sow {", ".join(missing)}: a capture cannot collect the sows of a'
+        ' `jax.custom_vjp` function defined with optimize_remat=True whose'
+        ' fwd rule does not call the function, under differentiation: JAX'
+        ' may run the function in place of fwd, or not. Call the function'
+        ' in fwd (fwd = lambda x: (f(x), residuals)), or drop'
+        ' optimize_remat=True.'
+    )
   # The rule does not run (all of) the body: collect what it misses from the
   # body itself, once, with the primal values.
   body = without_value_sows_named(body, in_rule)

@@ -276,6 +276,16 @@ def trace_and_collect(
   Returns:
     ``(f's output, collected)``.
   """
+  if _jax.jit_disabled():
+    raise ValueError(
+        'capture cannot run under jax.disable_jit(): JAX then runs'
+        ' lax.scan, fori_loop and while_loop as Python loops and lax.cond as'
+        ' a Python if, so what a capture collects would not have the layout'
+        ' it has with jit (one entry per iteration instead of one stacked'
+        ' entry, no accumulator for a name sown only in the branch not'
+        ' taken). Leave disable_jit for the capture: `with'
+        ' jax.disable_jit(False):` around the call.'
+    )
   collector = capture_lib.Collector(accepts_key)
   collector.python_folds = True  # each sow is folded as it is bound
   trace = CaptureTrace(_jax.trace_ctx.trace, collector)

@@ -40,6 +40,7 @@ partial-evaluation rule is added for ``custom_jvp_call``/``custom_vjp_call``).
 
 from __future__ import annotations
 
+import collections
 import threading
 import typing as tp
 
@@ -327,17 +328,18 @@ _jax.wrap_rule(
 # loop's sows become remat copies.
 
 
-def _while_splits(tracers, params) -> bool:
-  """Whether JAX's rule runs a known part of the loop (the carries that do
-  not depend on unknown inputs, with a known predicate)."""
+def _known_body(tracers, params) -> _jax.ClosedJaxpr | None:
+  """The body of the known loop JAX's rule runs (the carries that do not
+  depend on unknown inputs, with a known predicate), or ``None`` if it runs
+  none."""
   unknowns = [not t.pval.is_known() for t in tracers]
   if all(unknowns) or not any(unknowns):
-    return False
+    return None
   n_cc, n_bc = params['cond_nconsts'], params['body_nconsts']
   cond_uk, body_uk = unknowns[:n_cc], unknowns[n_cc : n_cc + n_bc]
   carry_uk = unknowns[n_cc + n_bc :]
   for _ in range(1 + len(carry_uk)):
-    *_, out_uk, _ = _jax.partial_eval_jaxpr_nounits(
+    known, _, out_uk, _ = _jax.partial_eval_jaxpr_nounits(
         params['body_jaxpr'], body_uk + carry_uk, instantiate=carry_uk
     )
     if out_uk == carry_uk:
@@ -346,14 +348,42 @@ def _while_splits(tracers, params) -> bool:
   *_, [pred_uk], _ = _jax.partial_eval_jaxpr_nounits(
       params['cond_jaxpr'], cond_uk + carry_uk, instantiate=False
   )
-  return not pred_uk
+  return None if pred_uk else known
+
+
+def _staged_sow_names(jaxpr: _jax.Jaxpr) -> collections.Counter:
+  names = collections.Counter()
+  for eqn in jaxpr.eqns:
+    if eqn.primitive is sow_p:
+      if eqn.params['effect'] and not eqn.params['remat_copy']:
+        names[eqn.params['name']] += 1
+    else:
+      for j in _jax.jaxprs_in_params(eqn.params):
+        names.update(_staged_sow_names(j))
+  return names
 
 
 def _while_partial_eval(jax_rule, trace, *tracers, **params):
-  if not _holds_staged_sow(params['body_jaxpr'].jaxpr) or not _while_splits(
-      tracers, params
-  ):
+  body = params['body_jaxpr']
+  if not _holds_staged_sow(body.jaxpr):
     return jax_rule(trace, *tracers, **params)
+  known = _known_body(tracers, params)
+  if known is None:
+    return jax_rule(trace, *tracers, **params)
+  in_known = _staged_sow_names(known.jaxpr)
+  if not in_known:
+    # The sows read unknown carries (or scan's hoisting keeps them in the
+    # loop): only the staged loop runs them.
+    return jax_rule(trace, *tracers, **params)
+  if in_known != _staged_sow_names(body.jaxpr):
+    name = next(iter(_staged_sow_names(body.jaxpr) - in_known))
+    raise NotImplementedError(
+        f'sow {name!r}: inside a `lax.while_loop` that JAX splits into a'
+        ' known and a staged part (jax.linearize or jax.jvp with some'
+        ' carries known), some of its sows read known values and others'
+        ' unknown ones, so the capture cannot collect each once. Sow values'
+        ' that depend on the same carries, or sow after the loop.'
+    )
   default = trace.default_process_primitive
 
   def staged_copy(primitive, tracers_, params_):

@@ -212,9 +212,12 @@ class Injector:
               ' (one entry stacked (n, ...), which intervene accepts).'
           )
         raise ValueError(
-            f'intervene: sow {s.name!r}{s.where} is inside {construct} under'
-            ' `jax.vmap`, where an array replacement cannot be laid out'
-            ' unambiguously. Pass a callable (values[name] = fn, applied'
+            f'intervene: sow {s.name!r}{s.where} is inside {construct}'
+            ' under `jax.vmap`, or has a `jax.vmap` around it inside the'
+            ' loop body: the two look the same in the staged program, and'
+            ' their captured layouts differ ((batch, steps, ...) and'
+            ' (steps, batch, ...)), so an array replacement cannot be laid'
+            ' out unambiguously. Pass a callable (values[name] = fn, applied'
             ' per example and iteration), or put the vmap around intervene.'
         )
 

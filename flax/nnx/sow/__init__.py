@@ -24,6 +24,7 @@ Importing this package also installs the NNX shims (``nnx_shims.install()``):
 ``docs/guide.md`` and ``docs/migration.md``.
 """
 
+from flax.nnx.sow import _jax_patches
 from flax.nnx.sow import batching as _batching  # hoists sows under vmap
 from flax.nnx.sow import custom_primal as _custom_primal  # custom rules, AD
 from flax.nnx.sow import invariance as _invariance  # loop-invariant sows
@@ -43,6 +44,7 @@ from flax.nnx.sow.state import collected_to_state
 from flax.nnx.sow.state import flatten_names
 from flax.nnx.sow.state import state_to_collected
 
+_jax_patches.install()  # every JAX patch, in the inventory's order
 nnx_shims.install()
 
 __all__ = [

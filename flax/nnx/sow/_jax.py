@@ -87,7 +87,7 @@ convert_constvars_jaxpr = pe.convert_constvars_jaxpr
 
 def partial_eval_jaxpr_nounits(*args, **kwargs):
   """``pe.partial_eval_jaxpr_nounits``, looked up at each call (it is
-  wrapped, see :func:`wrap_partial_eval_nounits`)."""
+  wrapped: see ``_jax_patches.py``)."""
   return pe.partial_eval_jaxpr_nounits(*args, **kwargs)
 
 primitive_jvps = ad.primitive_jvps
@@ -389,19 +389,6 @@ def edit_jaxpr(
   )
 
 
-def check_compiled_calls(check: tp.Callable[[], None]) -> None:
-  """Runs ``check()`` before every call of an ahead-of-time compiled function
-  (``jax.jit(g).lower(...).compile()``), which JAX runs without binding a
-  primitive."""
-  original = stages.Compiled.__call__
-
-  def __call__(self, *args, **kwargs):
-    check()
-    return original(self, *args, **kwargs)
-
-  stages.Compiled.__call__ = __call__
-
-
 def is_differentiating(trace) -> bool:
   """Whether ``trace`` is a forward-mode or linearizing trace of JAX's AD."""
   return isinstance(trace, (ad.JVPTrace, ad.LinearizeTrace))
@@ -415,60 +402,6 @@ def primal_of(trace, x) -> tp.Any:
 def has_tangent(trace, x) -> bool:
   """Whether ``x`` has a non-zero (symbolic or not) tangent under ``trace``."""
   return type(trace.to_primal_tangent_pair(x)[1]) is not Zero
-
-
-def wrap_bind_with_trace(primitive: Primitive, wrapper: tp.Callable) -> None:
-  """``primitive.bind_with_trace`` becomes ``wrapper(original, trace, args,
-  avals, params)`` (set on the primitive object). Idempotent.
-
-  JAX hook that would remove this: a per-primitive rule that runs before a
-  differentiating trace applies a custom rule.
-  """
-  original = primitive.bind_with_trace
-  if getattr(original, '_sow_wrapped', False):
-    return
-
-  def bind_with_trace(trace, args, avals, params, /):
-    return wrapper(original, trace, args, avals, params)
-
-  bind_with_trace._sow_wrapped = True  # pylint: disable=protected-access
-  primitive.bind_with_trace = bind_with_trace
-
-
-def eager_mesh_api(is_eager: tp.Callable[[], bool]) -> None:
-  """Lets ``jax.set_mesh`` and ``jax.sharding.get_mesh`` run where
-  ``is_eager()`` says that no transform is tracing, although a trace that
-  only watches (an eager capture's) is current.
-
-  Both refuse to run unless the eval trace is current
-  (``core.trace_state_clean``); they run as at top level. Idempotent.
-  JAX hook that would remove this: a way for a trace to declare itself
-  transparent to ``trace_state_clean``.
-  """
-  cls = sharding_impls.set_mesh
-  if getattr(cls.__init__, '_sow_wrapped', False):
-    return
-  original_init = cls.__init__
-  original_get = sharding_impls.get_mesh
-
-  def __init__(self, mesh):
-    if is_eager():
-      with core.set_current_trace(core.eval_trace):
-        return original_init(self, mesh)
-    return original_init(self, mesh)
-
-  def get_mesh():
-    if is_eager():
-      with core.set_current_trace(core.eval_trace):
-        return original_get()
-    return original_get()
-
-  functools.update_wrapper(__init__, original_init)
-  functools.update_wrapper(get_mesh, original_get)
-  __init__._sow_wrapped = True  # pylint: disable=protected-access
-  cls.__init__ = __init__
-  sharding_impls.get_mesh = get_mesh
-  jax.sharding.get_mesh = get_mesh
 
 
 def wrap_rule(registry: dict, primitive: Primitive, wrapper: tp.Callable):
@@ -488,36 +421,12 @@ def wrap_rule(registry: dict, primitive: Primitive, wrapper: tp.Callable):
 
 
 custom_partial_eval_rules = pe.custom_partial_eval_rules
+eval_trace = core.eval_trace
 
 
-def wrap_scan_hoisting(wrapper: tp.Callable) -> None:
-  """Wraps ``scan``'s loop-invariant hoisting (``_scan_known_hoisting``).
-
-  ``_scan_partial_eval`` and ``_scan_linearize`` look the function up in
-  their module at each call, so replacing it there is enough. Idempotent.
-  """
-  loops = lax_control_flow.loops
-  if getattr(loops._scan_known_hoisting, '_sow_wrapped', False):
-    return
-  wrapped = wrapper(loops._scan_known_hoisting)
-  wrapped._sow_wrapped = True  # pylint: disable=protected-access
-  loops._scan_known_hoisting = wrapped
-
-
-def wrap_partial_eval_nounits(wrapper: tp.Callable) -> None:
-  """``pe.partial_eval_jaxpr_nounits`` becomes ``wrapper(original, ...)``.
-
-  Callers in JAX look it up on the module at each call. Idempotent.
-  """
-  original = pe.partial_eval_jaxpr_nounits
-  if getattr(original, '_sow_wrapped', False):
-    return
-
-  def wrapped(*args, **kwargs):
-    return wrapper(original, *args, **kwargs)
-
-  wrapped._sow_wrapped = True  # pylint: disable=protected-access
-  pe.partial_eval_jaxpr_nounits = wrapped
+def jax_sharding_module():
+  """The public ``jax.sharding`` module (its ``get_mesh`` is patched)."""
+  return jax.sharding
 
 
 def shard_map_context(mesh, manual_axes: frozenset, check_vma: bool):
@@ -616,20 +525,6 @@ def vary_like(x: tp.Any, like: tp.Any) -> tp.Any:
   if not missing:
     return x
   return core.pvary(x, tuple(missing))
-
-
-def wrap_batch_shard_map(wrapper: tp.Callable) -> None:
-  """``BatchTrace.process_shard_map`` (how ``vmap`` batches a ``shard_map``)
-  becomes ``wrapper(original, trace, *args, **params)``. Idempotent."""
-  original = batching.BatchTrace.process_shard_map
-  if getattr(original, '_sow_wrapped', False):
-    return
-
-  def wrapped(trace, *args, **kwargs):
-    return wrapper(original, trace, *args, **kwargs)
-
-  wrapped._sow_wrapped = True  # pylint: disable=protected-access
-  batching.BatchTrace.process_shard_map = wrapped
 
 
 def off_manual_mesh(x: tp.Any) -> tp.Any:

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from flax.nnx.sow import _jax
+from flax.nnx.sow import _jax_patches
 from flax.nnx.sow import loops
 from flax.nnx.sow import reductions
 from flax.nnx.sow.capture import Layout
@@ -380,17 +381,5 @@ def _masked(reduce_fn):
   return fold
 
 
-def _wrap(primitive, batcher: tp.Callable) -> None:
-  jax_rule = _jax.fancy_primitive_batchers[primitive]
-  if getattr(jax_rule, '_sow_wrapped', False):
-    return
-
-  def rule(axis_data, args, dims, **params):
-    return batcher(jax_rule, axis_data, args, dims, **params)
-
-  rule._sow_wrapped = True  # pylint: disable=protected-access
-  _jax.fancy_primitive_batchers[primitive] = rule
-
-
-_wrap(_jax.scan_p, _scan_batcher)
-_wrap(_jax.cond_p, _cond_batcher)
+_jax_patches.register('scan_batching', _scan_batcher)
+_jax_patches.register('cond_batching', _cond_batcher)

@@ -40,6 +40,7 @@ from __future__ import annotations
 import functools
 
 from flax.nnx.sow import _jax
+from flax.nnx.sow import _jax_patches
 from flax.nnx.sow.capture import sow_sites
 from flax.nnx.sow.invariance import without_value_sows_named
 from flax.nnx.sow.primitive import staging_active
@@ -127,7 +128,11 @@ def _differentiated_custom_call(
   return original(trace, args, avals, params)
 
 
-for _primitive in (_jax.custom_jvp_call_p, _jax.custom_vjp_call_p):
-  _jax.wrap_bind_with_trace(
-      _primitive, functools.partial(_differentiated_custom_call, _primitive)
-  )
+_jax_patches.register(
+    'custom_jvp_bind',
+    functools.partial(_differentiated_custom_call, _jax.custom_jvp_call_p),
+)
+_jax_patches.register(
+    'custom_vjp_bind',
+    functools.partial(_differentiated_custom_call, _jax.custom_vjp_call_p),
+)

@@ -45,6 +45,7 @@ import threading
 import typing as tp
 
 from flax.nnx.sow import _jax
+from flax.nnx.sow import _jax_patches
 from flax.nnx.sow.primitive import HIDDEN
 from flax.nnx.sow.primitive import sow_effect
 from flax.nnx.sow.primitive import sow_p
@@ -129,11 +130,9 @@ def _sow_partial_eval_custom(rule, saveable, unks_in, inst_in, eqn):
 
 
 _jax.custom_partial_eval_rules[sow_p] = _sow_partial_eval
-_jax.wrap_scan_hoisting(_keeping_sows_in_loops)
-_jax.wrap_rule(
-    _jax.partial_eval_jaxpr_custom_rules, _jax.scan_p, _in_scan_remat_rule
-)
-_jax.wrap_partial_eval_nounits(_partial_eval_nounits)
+_jax_patches.register('scan_hoisting', _keeping_sows_in_loops)
+_jax_patches.register('scan_remat_rule', _in_scan_remat_rule)
+_jax_patches.register('partial_eval_nounits', _partial_eval_nounits)
 _jax.wrap_rule(
     _jax.partial_eval_jaxpr_custom_rules, sow_p, _sow_partial_eval_custom
 )
@@ -310,11 +309,7 @@ def _while_partial_eval_custom(jax_rule, saveable, unks_in, inst_in, eqn):
   return (known, staged, *rest)
 
 
-_jax.wrap_rule(
-    _jax.partial_eval_jaxpr_custom_rules,
-    _jax.while_p,
-    _while_partial_eval_custom,
-)
+_jax_patches.register('while_remat_rule', _while_partial_eval_custom)
 
 
 # ----------------------------------------------------------------------------
@@ -402,6 +397,4 @@ def _while_partial_eval(jax_rule, trace, *tracers, **params):
     del trace.default_process_primitive
 
 
-_jax.wrap_rule(
-    _jax.custom_partial_eval_rules, _jax.while_p, _while_partial_eval
-)
+_jax_patches.register('while_partial_eval', _while_partial_eval)

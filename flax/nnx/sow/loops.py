@@ -45,7 +45,7 @@ from flax.nnx.sow.capture import collect_rules
 from flax.nnx.sow.capture import construct_names
 from flax.nnx.sow.capture import site_annotations
 from flax.nnx.sow.capture import sow_sites
-from flax.nnx.sow.capture import strong
+from flax.nnx.sow.reductions import strong
 from flax.nnx.sow.control import NO_AXES
 from flax.nnx.sow.control import control_rules
 from flax.nnx.sow.control import passes_through

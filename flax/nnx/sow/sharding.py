@@ -54,6 +54,7 @@ import jax
 from jax.sharding import PartitionSpec
 
 from flax.nnx.sow import _jax
+from flax.nnx.sow import _jax_patches
 from flax.nnx.sow import control as control_lib
 
 # Its scan/cond batching rules must be installed before the ones below wrap
@@ -426,22 +427,7 @@ def _loop_batch(original, axis_data, args, dims, **params):
   return original(axis_data, args, dims, **params)
 
 
-def _wrap_batcher(primitive, wrapper) -> None:
-  """``wrapper`` around the batching rule of ``primitive``, on top of the
-  one ``batching.py`` installs. Idempotent."""
-  rule = _jax.fancy_primitive_batchers[primitive]
-  if getattr(rule, '_sow_sharding_wrapped', False):
-    return
-
-  def wrapped(*args, **kwargs):
-    return wrapper(rule, *args, **kwargs)
-
-  wrapped._sow_wrapped = True  # pylint: disable=protected-access
-  wrapped._sow_sharding_wrapped = True  # pylint: disable=protected-access
-  _jax.fancy_primitive_batchers[primitive] = wrapped
-
-
-_jax.wrap_batch_shard_map(_batch_shard_map)
+_jax_patches.register('batch_shard_map', _batch_shard_map)
 _jax.wrap_rule(_jax.fancy_primitive_batchers, sow_p, _sow_batch)
-_wrap_batcher(_jax.scan_p, _loop_batch)
-_wrap_batcher(_jax.cond_p, _loop_batch)
+_jax_patches.register('scan_batching_shard_map', _loop_batch)
+_jax_patches.register('cond_batching_shard_map', _loop_batch)

@@ -42,7 +42,8 @@ from __future__ import annotations
 import typing as tp
 
 from flax.nnx.sow import _jax
-from flax.nnx.sow import capture as capture_lib
+from flax.nnx.sow import _jax_patches
+from flax.nnx.sow import collect as capture_lib
 from flax.nnx.sow.primitive import sow_p
 from flax.nnx.sow.primitive import staging
 
@@ -236,7 +237,7 @@ def _refuse_compiled_calls() -> None:
     )
 
 
-_jax.check_compiled_calls(_refuse_compiled_calls)
+_jax_patches.register('compiled_calls', _refuse_compiled_calls)
 
 
 def _in_eager_capture() -> bool:
@@ -246,7 +247,7 @@ def _in_eager_capture() -> bool:
 
 # Eagerly, a capture only watches what ``f`` binds: JAX's eager-only APIs
 # behave as without it.
-_jax.eager_mesh_api(_in_eager_capture)
+_jax_patches.register('eager_mesh_api', _in_eager_capture)
 
 
 def _one_rule_called(fun, rule) -> None:

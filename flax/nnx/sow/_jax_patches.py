@@ -1,0 +1,354 @@
+# Copyright 2026 The Flax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""The only file that replaces JAX objects: the patch inventory.
+
+Each entry of :data:`INVENTORY` names a JAX object this package replaces,
+why, the JAX versions it was checked against, and the hook JAX would expose
+to make the patch unnecessary. The files that own a behaviour provide the
+wrapper (:func:`register`, at import); :func:`install` applies every
+registered patch once, in the order of the inventory, so wrappers stacked on
+one target (``scan``'s batching rule) always stack the same way. Every
+wrapper takes JAX's own path for equations that hold no sow a capture is
+staging (``tests/test_import_invariance.py`` checks that programs without
+sows stage to the same jaxpr with and without this package).
+
+Rules this package registers for its own primitives (``sow_p``,
+``perturb_tangent_p``) are not patches and stay with the primitive.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+import typing as tp
+
+from flax.nnx.sow import _jax
+
+JAX_VERSIONS = 'jax 0.10.2 (jax>=0.10.2,<0.11 in pyproject.toml)'
+
+
+def _marked(fn):
+  fn._sow_wrapped = True  # pylint: disable=protected-access
+  return fn
+
+
+def _is_marked(fn) -> bool:
+  return getattr(fn, '_sow_wrapped', False)
+
+
+def _wrap_attribute(owner, attribute: str):
+  """``owner.attribute`` becomes ``wrapper(original, *args, **kwargs)``."""
+
+  def apply(wrapper):
+    original = getattr(owner, attribute)
+    if _is_marked(original):
+      return
+
+    @functools.wraps(original)
+    def patched(*args, **kwargs):
+      return wrapper(original, *args, **kwargs)
+
+    setattr(owner, attribute, _marked(patched))
+
+  return apply
+
+
+def _wrap_rule(registry: dict, primitive):
+  """``registry[primitive]`` becomes ``wrapper(original_rule, *args)``."""
+
+  def apply(wrapper):
+    original = registry[primitive]
+    if _is_marked(original):
+      return
+
+    def rule(*args, **kwargs):
+      return wrapper(original, *args, **kwargs)
+
+    registry[primitive] = _marked(rule)
+
+  return apply
+
+
+def _stacked_rule(registry: dict, primitive, flag: str):
+  """:func:`_wrap_rule` for a second wrapper on the same rule (``flag``
+  keeps it idempotent)."""
+
+  def apply(wrapper):
+    original = registry[primitive]
+    if getattr(original, flag, False):
+      return
+
+    def rule(*args, **kwargs):
+      return wrapper(original, *args, **kwargs)
+
+    setattr(rule, flag, True)
+    registry[primitive] = _marked(rule)
+
+  return apply
+
+
+def _wrap_bind_with_trace(primitive):
+  """``primitive.bind_with_trace`` (set on the primitive object)."""
+
+  def apply(wrapper):
+    original = primitive.bind_with_trace
+    if _is_marked(original):
+      return
+
+    def bind_with_trace(trace, args, avals, params, /):
+      return wrapper(original, trace, args, avals, params)
+
+    primitive.bind_with_trace = _marked(bind_with_trace)
+
+  return apply
+
+
+def _replace_scan_hoisting(factory):
+  """``_scan_known_hoisting`` becomes ``factory(original)``; JAX's scan
+  rules look it up in their module at each call."""
+  loops = _jax.lax_control_flow.loops
+  if _is_marked(loops._scan_known_hoisting):  # pylint: disable=protected-access
+    return
+  loops._scan_known_hoisting = _marked(  # pylint: disable=protected-access
+      factory(loops._scan_known_hoisting)  # pylint: disable=protected-access
+  )
+
+
+def _guard_compiled_calls(check):
+  """``check()`` runs before every call of an ahead-of-time compiled
+  function, which JAX runs without binding a primitive."""
+  cls = _jax.stages.Compiled
+  original = cls.__call__
+  if _is_marked(original):
+    return
+
+  def __call__(self, *args, **kwargs):
+    check()
+    return original(self, *args, **kwargs)
+
+  cls.__call__ = _marked(__call__)
+
+
+def _eager_mesh_api(is_eager):
+  """``jax.set_mesh`` and ``jax.sharding.get_mesh`` run as at top level
+  where ``is_eager()`` says no transform is tracing (an eager capture's
+  trace only watches); both refuse to run unless the eval trace is current
+  (``core.trace_state_clean``)."""
+  impls = _jax.sharding_impls
+  cls = impls.set_mesh
+  if _is_marked(cls.__init__):
+    return
+  original_init, original_get = cls.__init__, impls.get_mesh
+
+  @functools.wraps(original_init)
+  def __init__(self, mesh):
+    if is_eager():
+      with _jax.set_current_trace(_jax.eval_trace):
+        return original_init(self, mesh)
+    return original_init(self, mesh)
+
+  @functools.wraps(original_get)
+  def get_mesh():
+    if is_eager():
+      with _jax.set_current_trace(_jax.eval_trace):
+        return original_get()
+    return original_get()
+
+  cls.__init__ = _marked(__init__)
+  impls.get_mesh = get_mesh
+  _jax.jax_sharding_module().get_mesh = get_mesh
+
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+  """One replaced JAX object.
+
+  Attributes:
+    name: the key a file registers its wrapper under.
+    target: the JAX object replaced.
+    owner: the file of this package that provides the wrapper.
+    reason: why it is replaced.
+    jax_hook: what JAX would need to expose to make it unnecessary.
+    apply: ``apply(wrapper)`` installs it (idempotent).
+  """
+
+  name: str
+  target: str
+  owner: str
+  reason: str
+  jax_hook: str
+  apply: tp.Callable[[tp.Callable], None]
+
+
+INVENTORY: tuple[Patch, ...] = (
+    Patch(
+        'compiled_calls',
+        'jax._src.stages.Compiled.__call__',
+        'toplevel.py',
+        'An ahead-of-time compiled function runs without binding anything,'
+        ' so a capture would silently miss its sows; the call raises inside'
+        ' a capture instead.',
+        'A way for a trace to refuse (or see) calls of compiled executables.',
+        _guard_compiled_calls,
+    ),
+    Patch(
+        'eager_mesh_api',
+        'jax.set_mesh.__init__, jax.sharding.get_mesh',
+        'toplevel.py',
+        'They refuse to run unless the eval trace is current; an eager'
+        " capture's trace only watches, so f may use them as without it.",
+        'A way for a trace to declare itself transparent to'
+        ' core.trace_state_clean.',
+        _eager_mesh_api,
+    ),
+    Patch(
+        'custom_jvp_bind',
+        'custom_jvp_call_p.bind_with_trace',
+        'custom_primal.py',
+        'Under differentiation JAX runs the jvp rule instead of the primal'
+        ' body; the sows of a body the rule does not run are collected from'
+        ' the body.',
+        'A per-primitive hook run before a differentiating trace applies a'
+        ' custom rule.',
+        _wrap_bind_with_trace(_jax.custom_jvp_call_p),
+    ),
+    Patch(
+        'custom_vjp_bind',
+        'custom_vjp_call_p.bind_with_trace',
+        'custom_primal.py',
+        'As for custom_jvp, with the fwd rule.',
+        'As for custom_jvp.',
+        _wrap_bind_with_trace(_jax.custom_vjp_call_p),
+    ),
+    Patch(
+        'scan_hoisting',
+        'jax._src.lax.control_flow.loops._scan_known_hoisting',
+        'invariance.py',
+        'grad/linearize move loop-invariant work out of a scan; a sow there'
+        ' must still give one value per iteration.',
+        'A per-effect opt-out of loop-invariant hoisting in scan partial'
+        ' evaluation.',
+        _replace_scan_hoisting,
+    ),
+    Patch(
+        'partial_eval_nounits',
+        'pe.partial_eval_jaxpr_nounits',
+        'invariance.py',
+        "The hoisting step of scan's checkpoint rule calls it; sows stay in"
+        ' the loop there too.',
+        'As for scan_hoisting.',
+        _wrap_attribute(_jax.pe, 'partial_eval_jaxpr_nounits'),
+    ),
+    Patch(
+        'scan_remat_rule',
+        'pe.partial_eval_jaxpr_custom_rules[scan_p]',
+        'invariance.py',
+        'Marks where its hoisting runs (see partial_eval_nounits).',
+        'As for scan_hoisting.',
+        _wrap_rule(_jax.partial_eval_jaxpr_custom_rules, _jax.scan_p),
+    ),
+    Patch(
+        'while_remat_rule',
+        'pe.partial_eval_jaxpr_custom_rules[while_p]',
+        'invariance.py',
+        'checkpoint keeps the known loop and recomputes the whole loop: the'
+        " copy's sows must not be collected again.",
+        'A way to mark the staged copy of a split loop as a recomputation.',
+        _wrap_rule(_jax.partial_eval_jaxpr_custom_rules, _jax.while_p),
+    ),
+    Patch(
+        'while_partial_eval',
+        'pe.custom_partial_eval_rules[while_p]',
+        'invariance.py',
+        'linearize runs the known part of a loop and stages the whole loop'
+        " again: the copy's sows must not be collected each time the linear"
+        ' function is applied.',
+        'As for while_remat_rule.',
+        _wrap_rule(_jax.custom_partial_eval_rules, _jax.while_p),
+    ),
+    Patch(
+        'scan_batching',
+        'batching.fancy_primitive_batchers[scan_p]',
+        'batching.py',
+        'Plain sows in a batched scan are hoisted out, so they come back'
+        ' with the mapped axis first.',
+        'A batching hook that lets an effect choose where its mapped axis'
+        ' goes.',
+        _wrap_rule(_jax.fancy_primitive_batchers, _jax.scan_p),
+    ),
+    Patch(
+        'cond_batching',
+        'batching.fancy_primitive_batchers[cond_p]',
+        'batching.py',
+        'A cond on a batched predicate runs every branch: plain sows are'
+        " hoisted and the taken branch's value selected.",
+        'As for scan_batching.',
+        _wrap_rule(_jax.fancy_primitive_batchers, _jax.cond_p),
+    ),
+    Patch(
+        'scan_batching_shard_map',
+        'batching.fancy_primitive_batchers[scan_p] (second wrapper)',
+        'sharding.py',
+        'A plain sow in a shard_map that vmap maps over raises (its mapped'
+        ' axis would not come first).',
+        'As for scan_batching.',
+        _stacked_rule(
+            _jax.fancy_primitive_batchers, _jax.scan_p, '_sow_shard_map'
+        ),
+    ),
+    Patch(
+        'cond_batching_shard_map',
+        'batching.fancy_primitive_batchers[cond_p] (second wrapper)',
+        'sharding.py',
+        'As for scan_batching_shard_map.',
+        'As for scan_batching.',
+        _stacked_rule(
+            _jax.fancy_primitive_batchers, _jax.cond_p, '_sow_shard_map'
+        ),
+    ),
+    Patch(
+        'batch_shard_map',
+        'batching.BatchTrace.process_shard_map',
+        'sharding.py',
+        'Records which vmaps map over a shard_map, for the check above.',
+        'As for scan_batching.',
+        _wrap_attribute(_jax.batching.BatchTrace, 'process_shard_map'),
+    ),
+)
+
+_BY_NAME = {p.name: p for p in INVENTORY}
+_REGISTERED: dict[str, tp.Callable] = {}
+_LOCK = threading.Lock()
+
+
+def register(name: str, wrapper: tp.Callable) -> None:
+  """Provides the wrapper of the inventory entry ``name`` (see ``Patch``).
+
+  Raises:
+    KeyError: ``name`` is not in the inventory.
+  """
+  if name not in _BY_NAME:
+    raise KeyError(f'{name!r} is not in the patch inventory (_jax_patches.py)')
+  _REGISTERED[name] = wrapper
+
+
+def install() -> None:
+  """Applies every registered patch, in the inventory's order. Idempotent."""
+  with _LOCK:
+    for patch in INVENTORY:
+      wrapper = _REGISTERED.get(patch.name)
+      if wrapper is not None:
+        patch.apply(wrapper)

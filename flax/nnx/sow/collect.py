@@ -1,0 +1,1141 @@
+# Copyright 2026 The Flax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""What a capture collects and the loop over staged jaxprs.
+
+This file owns collection: which equations hold accepted sows
+(:func:`sow_sites`, cached per jaxpr), the :class:`Collector` of one scope
+(entries of plain names, accumulators of reduced names, their layouts as
+extra outputs of a rewritten sub-jaxpr), the :class:`Collected` dict a
+capture returns, the rewrite of one sub-jaxpr (:func:`rewrite_jaxpr`) and
+the generic loop :func:`eval_collecting`, an interpreter that binds every
+equation as ``jax.core.eval_jaxpr`` would, except that
+
+* an accepted ``sow`` equation is recorded in a :class:`Collector` instead of
+  being bound, and
+* a higher-order primitive whose sub-jaxprs hold accepted sows is handed to
+  the rule registered for it in :data:`collect_rules`; the rule re-binds the
+  primitive with rewritten sub-jaxprs that return the collected values as
+  extra outputs (``rules.py``, ``loops.py``).
+
+Everything else, including every sub-jaxpr with nothing to collect, is bound
+exactly as it was, so custom rules and compiled ``jit`` entries are kept.
+``capture.py`` holds the transform itself; ``toplevel.py`` its top level.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import typing as tp
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flax.nnx.sow import _jax
+from flax.nnx.sow import reductions
+from flax.nnx.sow.primitive import MARKER_KINDS
+from flax.nnx.sow.primitive import Name
+from flax.nnx.sow.primitive import sow_p
+from flax.nnx.sow.reductions import Accumulator
+from flax.nnx.sow.reductions import Reduction
+from flax.nnx.sow.reductions import strong
+
+Rule = tp.Callable[['Collector', _jax.JaxprEqn, list[tp.Any]], list[tp.Any]]
+
+collect_rules: dict[_jax.Primitive, Rule] = {}
+"""Rules for higher-order primitives, keyed by primitive.
+
+``rule(collector, eqn, invals) -> outvals`` binds ``eqn`` so that the accepted
+sows in its sub-jaxprs reach ``collector`` (via :meth:`Collector.rewrite` and
+:meth:`Collector.absorb`), and returns the equation's ordinary outputs.
+"""
+
+construct_names: dict[_jax.Primitive, str] = {}
+"""How errors name a primitive's construct (``'lax.scan'`` for ``scan``)."""
+
+site_annotations: dict[
+    _jax.Primitive, tp.Callable[[_jax.JaxprEqn, 'SowSite'], 'SowSite']
+] = {}
+"""How a primitive changes what the sows in its sub-jaxprs give the caller.
+
+``annotate(eqn, site) -> site``; ``shard_map`` records the mesh axes its
+sows gain (``sharding.py``).
+"""
+
+
+# ----------------------------------------------------------------------------
+# Static analysis: which sows does a jaxpr hold?
+
+
+@dataclasses.dataclass(frozen=True)
+class SowSite:
+  """One sow equation, found anywhere in a jaxpr or its sub-jaxprs."""
+
+  name: Name
+  tag: tp.Hashable
+  reduction: Reduction | None
+  kind: str = 'value'
+  # Where the sow was called, and what it sows (one example's avals).
+  eqn: _jax.JaxprEqn | None = dataclasses.field(default=None, compare=False)
+  # The mesh axes of an enclosing ``shard_map`` the value varies over.
+  sharded: ShardAxes | None = None
+  # Manual mesh axes the predicates of the enclosing loops and branches vary
+  # over: the site runs differently per shard (``loops.py``).
+  control_axes: frozenset = frozenset()
+
+  @property
+  def where(self) -> str:
+    return '' if self.eqn is None else where(self.eqn)
+
+  def value_avals(self) -> tuple[tp.Any, ...]:
+    p = self.eqn.params
+    b = p['batch_dims']
+    invars = self.eqn.invars[: len(self.eqn.invars) - p['n_closure']]
+    return tuple(
+        _jax.ShapedArray(v.aval.shape[b:], v.aval.dtype) for v in invars
+    )
+
+
+def where(eqn: _jax.JaxprEqn) -> str:
+  """`` (at file:line)`` of the user's call that staged ``eqn``."""
+  return f' (at {_jax.summarize_source(eqn.source_info)})'
+
+
+_sites_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_sites_lock = threading.Lock()
+
+
+def sow_sites(jaxpr: _jax.Jaxpr) -> tuple[SowSite, ...]:
+  """Every sow in ``jaxpr`` and its sub-jaxprs, in equation order (cached)."""
+  try:
+    return _sites_cache[jaxpr]
+  except KeyError:
+    pass
+  sites: list[SowSite] = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive is sow_p:
+      p = eqn.params
+      if not p['remat_copy']:
+        sites.append(
+            SowSite(p['name'], p['tag'], p['reduction'], p['kind'], eqn)
+        )
+    else:
+      annotate = site_annotations.get(eqn.primitive)
+      for sub in _jax.jaxprs_in_params(eqn.params):
+        for site in sow_sites(sub):
+          sites.append(site if annotate is None else annotate(eqn, site))
+  result = tuple(sites)
+  with _sites_lock:
+    _sites_cache[jaxpr] = result
+  return result
+
+
+def as_jaxpr(j: _jax.Jaxpr | _jax.ClosedJaxpr) -> _jax.Jaxpr:
+  return j.jaxpr if isinstance(j, _jax.ClosedJaxpr) else j
+
+
+# ----------------------------------------------------------------------------
+# Per-scope collection state.
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardAxes:
+  """The mesh axes that a value sown inside ``shard_map`` varies over.
+
+  Outside the ``shard_map`` such a value, or the accumulator of such a
+  reduced name, carries one leading axis per axis in :attr:`axes`, of the
+  sizes in :attr:`shape` (``sharding.py``).
+  """
+
+  mesh_shape: tuple[tuple[str, int], ...]  # the mesh's axes, in mesh order
+  names: frozenset[str]
+
+  @property
+  def axes(self) -> tuple[str, ...]:
+    return tuple(a for a, _ in self.mesh_shape if a in self.names)
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return tuple(n for a, n in self.mesh_shape if a in self.names)
+
+  def union(self, other: ShardAxes) -> ShardAxes | None:
+    """Both sets of axes, or ``None`` if the meshes differ."""
+    if other.mesh_shape != self.mesh_shape:
+      return None
+    return ShardAxes(self.mesh_shape, self.names | other.names)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReducedSpec:
+  """What a rewritten sub-jaxpr takes and returns for one reduced name."""
+
+  name: Name
+  treedef: tp.Any
+  avals: tuple[tp.Any, ...]
+  # Set when the name is sown inside a ``shard_map``: one accumulator per
+  # shard, with these leading axes.
+  sharded: ShardAxes | None = None
+
+
+class EntrySpec(tp.NamedTuple):
+  """One plain entry among a rewritten jaxpr's extra outputs.
+
+  A ``perturb``'s forward marker is an entry of ``size`` 0 and kind
+  ``'perturb'``: it returns nothing, but says where the forward pass of that
+  perturb ran among the cotangents, so that :meth:`Collector.result` can put
+  the cotangents of several backward passes in call order.
+  """
+
+  name: Name
+  tag: tp.Hashable
+  treedef: tp.Any
+  size: int  # number of leaves
+  kind: str = 'value'  # or 'cotangent' or 'perturb' (see primitive.py)
+  # For 'perturb' and 'cotangent': the perturb call's ordinal (perturb.py).
+  ordinal: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """The extra outputs of a rewritten jaxpr, after its ordinary outputs.
+
+  A rewritten jaxpr takes ``[*accumulators_in, *inputs]`` and returns
+  ``[*outputs, *entry_leaves, *accumulators_out]``: first the leaves of every
+  plain entry, in call order, then one accumulator per reduced name, in the
+  order of ``reduced``.
+  """
+
+  entries: tuple[EntrySpec, ...]
+  reduced: tuple[ReducedSpec, ...]
+  names: tuple[Name, ...]  # every name, in order of first sow
+
+  @property
+  def num_entry_leaves(self) -> int:
+    return sum(e.size for e in self.entries)
+
+  @property
+  def num_accumulator_leaves(self) -> int:
+    return sum(len(r.avals) for r in self.reduced)
+
+  @property
+  def num_extra(self) -> int:
+    return self.num_entry_leaves + self.num_accumulator_leaves
+
+
+def _sharded_error(name, where_=''):
+  return ValueError(
+      f'sow {name!r}{where_}: this reduced name is sown inside a'
+      ' `jax.shard_map` (or `jax.pmap`) and also outside it, or inside'
+      ' shard_maps whose values vary over different mesh axes. Inside a'
+      ' shard_map each shard keeps its own accumulator, which cannot be'
+      ' folded together with values from elsewhere; give the sites'
+      ' different names and combine the results yourself.'
+  )
+
+
+def _meaning_error(name, where_=''):
+  return ValueError(
+      f'capture: {name!r}{where_} is used by sow(...) and by perturb(...) in'
+      ' one capture. A name holds sown values or perturb cotangents, never'
+      ' both (intervene could not tell a gradient from a value); give the'
+      ' perturb another name, e.g. name=(..., "grad"), or collect the two in'
+      ' separate captures by tag (capture(f, tags=[...])).'
+  )
+
+
+def _meaning(kind: str) -> str:
+  return 'cotangent' if kind in ('perturb', 'cotangent') else 'value'
+
+
+def _in_call_order(items: list[tuple[EntrySpec, tp.Any]]) -> list[tp.Any]:
+  """The cotangents of one name, in the order of their ``perturb`` calls.
+
+  ``items`` are the name's entries in the order the program ran them: the
+  forward markers and the cotangents. A backward pass sows the cotangents of
+  its perturbs last call first, so their ordinals decrease; a marker (a new
+  forward pass) or an ordinal that does not decrease starts a new pass. Each
+  pass is reversed; the passes keep their order.
+  """
+  passes: list[list[tp.Any]] = [[]]
+  last = None
+  for spec, value in items:
+    if spec.kind == 'perturb':
+      passes.append([])
+      last = None
+      continue
+    if last is not None and (spec.ordinal is None or spec.ordinal >= last):
+      passes.append([])
+    passes[-1].append(value)
+    last = spec.ordinal
+  return [v for p in passes for v in reversed(p)]
+
+
+def _reduction_error(name, where_=''):
+  return ValueError(
+      f'sow {name!r}{where_}: one site of this name reduces (reduce_fn/'
+      'init_fn) and another does not. A name is either reduced into one'
+      ' accumulator or collected as a tuple of values; give the sites'
+      ' different names, or pass reduce_fn/init_fn at every site.'
+  )
+
+
+PLAIN_SOWS = object()
+"""A ``Collector.accepts_key`` that takes every plain sow, whatever its tag.
+
+Used to hoist plain sows out of a construct (``batching.py``).
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+  """The ``accepts_key`` of a capture that selects names (``names=``).
+
+  ``tags`` is ``None`` (every tag) or a frozenset; ``names`` a frozenset of
+  names or a callable ``name -> bool``. A capture without ``names`` keeps its
+  ``tags`` (``None`` or a frozenset) as its key.
+  """
+
+  tags: frozenset | None
+  names: tp.Any
+
+  def accepts_name(self, name: Name) -> bool:
+    if isinstance(self.names, frozenset):
+      return name in self.names
+    return bool(self.names(name))
+
+
+def tags_of(accepts_key) -> frozenset | None:
+  """The tags a capture's ``accepts_key`` takes (``None``: every tag)."""
+  if isinstance(accepts_key, Selection):
+    return accepts_key.tags
+  return accepts_key
+
+
+def accepts(
+    accepts_key: frozenset | Selection | None | object,
+    tag: tp.Hashable,
+    reduction: Reduction | None,
+    kind: str = 'value',
+    name: Name | None = None,
+) -> bool:
+  """Whether a capture with ``accepts_key`` collects a sow of ``tag`` and
+  ``name``."""
+  if accepts_key is PLAIN_SOWS:
+    # Hoisting moves values; markers stay where they are (a perturb marker
+    # must meet the JVP there).
+    return reduction is None and kind not in MARKER_KINDS
+  if accepts_key is None:
+    return True
+  if isinstance(accepts_key, Selection):
+    return (
+        accepts_key.tags is None or tag in accepts_key.tags
+    ) and accepts_key.accepts_name(name)
+  return tag in accepts_key
+
+
+class Collector:
+  """What one capture has collected so far in one scope of the program.
+
+  A scope is the top-level jaxpr or a sub-jaxpr being rewritten by a rule.
+  Plain names collect a list of entries; reduced names keep one accumulator.
+
+  ``python_folds``: every sow here is folded once, in Python, when it is
+  reached (the top level of a capture, the body of a ``jit``), so a
+  ``Module.sow`` reduction (``Reduction.fixed_type=False``) may change the
+  accumulator's type, as in Flax. Elsewhere a loop or branch carries the
+  accumulator, and its type is fixed.
+  """
+
+  python_folds = False
+
+  def __init__(self, accepts_key: frozenset | None):
+    self.accepts_key = accepts_key
+    self.entries: list[tuple[EntrySpec, list[tp.Any]]] = []
+    self.accumulators: dict[Name, Accumulator] = {}
+    self.names: dict[Name, None] = {}
+    self.plain_names: set[Name] = set()
+    # 'value' or 'cotangent' per name: one name, one meaning.
+    self.meanings: dict[Name, str] = {}
+    # Reduced names kept per shard of a ``shard_map`` (their accumulators
+    # have the leading mesh axes of ``ShardAxes``).
+    self.sharded: dict[Name, ShardAxes] = {}
+
+  # -- which sows this capture takes --------------------------------------
+
+  def accepts(
+      self,
+      tag: tp.Hashable,
+      reduction: Reduction | None,
+      kind: str = 'value',
+      name: Name | None = None,
+  ) -> bool:
+    return accepts(self.accepts_key, tag, reduction, kind, name)
+
+  def accepted_sites(
+      self, jaxprs: tp.Iterable[_jax.Jaxpr | _jax.ClosedJaxpr]
+  ) -> list[SowSite]:
+    return [
+        s
+        for j in jaxprs
+        for s in sow_sites(as_jaxpr(j))
+        if self.accepts(s.tag, s.reduction, s.kind, s.name)
+    ]
+
+  def has_work(self, jaxprs) -> bool:
+    for j in jaxprs:
+      for s in sow_sites(as_jaxpr(j)):
+        if self.accepts(s.tag, s.reduction, s.kind, s.name):
+          return True
+    return False
+
+  # -- recording ----------------------------------------------------------
+
+  def claim(self, name: Name, kind: str, where_: str = '') -> None:
+    """Records that ``name`` holds values or cotangents (by ``kind``).
+
+    Raises:
+      ValueError: if the name already holds the other.
+    """
+    meaning = _meaning(kind)
+    if self.meanings.setdefault(name, meaning) != meaning:
+      raise _meaning_error(name, where_)
+
+  def add_entry(
+      self, spec: EntrySpec, leaves: tp.Sequence[tp.Any], where_: str = ''
+  ):
+    if spec.name in self.accumulators:
+      raise _reduction_error(spec.name, where_)
+    self.claim(spec.name, spec.kind, where_)
+    self.names.setdefault(spec.name, None)
+    self.plain_names.add(spec.name)
+    self.entries.append((spec, list(leaves)))
+
+  # -- reduced names --------------------------------------------------------
+  #
+  # A reduced name keeps one accumulator per scope. It starts from the
+  # ``init_fn()`` of the first site of the name that the program reaches;
+  # every site then folds its value with its own ``reduce_fn``. Inside a
+  # loop or branch the accumulator is carried through the rewritten
+  # sub-jaxpr (``reduced_specs``, ``ReducedSpec``), so its type is fixed.
+
+  def accumulator(
+      self,
+      name: Name,
+      reduction: Reduction,
+      value,
+      where_: str = '',
+      closure=(),
+      sharded: ShardAxes | None = None,
+  ) -> Accumulator:
+    """The accumulator of ``name``, created from ``init_fn()`` if new.
+
+    ``value`` is ``(treedef, avals)`` of one sown value; ``closure`` the
+    site's closure operands (``reductions.py``). ``sharded``: the site is
+    inside a ``shard_map``, so the accumulator has one copy per shard.
+    """
+    acc = self.accumulators.get(name)
+    if acc is None:
+      self.claim(name, 'value', where_)
+      if name in self.plain_names:
+        raise _reduction_error(name, where_)
+      acc = reductions.initial_accumulator(reduction, *value, closure)
+      if sharded is not None:
+        acc = Accumulator(
+            acc.treedef,
+            tuple(
+                jax.numpy.broadcast_to(x, (*sharded.shape, *x.shape))
+                for x in acc.leaves
+            ),
+        )
+        self.sharded[name] = sharded
+      self.accumulators[name] = acc
+    elif self.sharded.get(name) != sharded:
+      raise _sharded_error(name, where_)
+    return acc
+
+  def reduce(
+      self,
+      name: Name,
+      reduction: Reduction,
+      treedef,
+      leaves,
+      batch_dims=0,
+      where_: str = '',
+      closure=(),
+  ):
+    """Folds one sown value (or, with ``batch_dims``, a batch) into ``name``.
+
+    ``closure`` holds the site's closure operands, with the same leading
+    batch axes as ``leaves``.
+    """
+    value_avals = [
+        _jax.ShapedArray(_jax.typeof(x).shape[batch_dims:], x.dtype)
+        for x in leaves
+    ]
+    closure = list(closure)
+    if batch_dims and closure:
+      # Under vmap every example has its own closure; the accumulator is
+      # created from the first example's.
+      first = [x[(0,) * batch_dims] for x in closure]
+    else:
+      first = closure
+    acc = self.accumulator(
+        name, reduction, (treedef, value_avals), where_, first
+    )
+    self.names.setdefault(name, None)
+
+    def step(acc_leaves, value_leaves, closure_leaves):
+      new_leaves, new_treedef = reductions.fold(
+          reduction,
+          Accumulator(acc.treedef, tuple(acc_leaves)),
+          treedef,
+          value_leaves,
+          closure_leaves,
+      )
+      new_leaves = tuple(strong(x) for x in new_leaves)
+      new_avals = tuple(_jax.typeof(x) for x in new_leaves)
+      changed = new_treedef != acc.treedef or not _same_types(
+          new_avals, acc.avals
+      )
+      if changed and (
+          reduction.fixed_type or batch_dims or not self.python_folds
+      ):
+        raise ValueError(
+            f'sow {name!r}{where_}: reduce_fn changed the accumulator from'
+            f' {_describe(acc.treedef, acc.avals)} to'
+            f' {_describe(new_treedef, new_avals)}. The accumulator must keep'
+            ' its structure, shape and dtype; make init_fn() return a value'
+            ' of the type reduce_fn produces (e.g. with the right dtype).'
+            + _CARRIED_NOTE * (not reduction.fixed_type)
+        )
+      treedef_box[:] = [new_treedef]
+      return new_leaves
+
+    treedef_box = [acc.treedef]
+
+    if batch_dims:
+      # Values sown under vmap: one reduction per example, in order.
+      n = len(leaves)
+      batch = [
+          x.reshape((-1, *x.shape[batch_dims:])) for x in [*leaves, *closure]
+      ]
+      new_leaves, _ = jax.lax.scan(
+          lambda a, v: (step(a, v[:n], v[n:]), None), acc.leaves, batch
+      )
+    else:
+      new_leaves = step(acc.leaves, leaves, closure)
+    self.accumulators[name] = Accumulator(treedef_box[0], tuple(new_leaves))
+
+  def on_sow(self, eqn: _jax.JaxprEqn, invals: list[tp.Any]) -> list[tp.Any]:
+    p = eqn.params
+    if p['remat_copy'] or not self.accepts(
+        p['tag'], p['reduction'], p['kind'], p['name']
+    ):
+      return _jax.bind_equation(eqn, invals)
+    return self.sow(p, invals, where(eqn))
+
+  def sow(self, p: dict[str, tp.Any], invals: list[tp.Any], where_) -> list:
+    """Records one accepted sow with parameters ``p``; returns its value.
+
+    ``where_`` formats as `` (at file:line)`` for errors.
+    """
+    if p['kind'] == 'perturb':
+      # Collects nothing, but the name takes its place in the order of
+      # first sow here, and the marker says where this forward pass ran
+      # (a perturb's cotangent arrives later, in the backward pass).
+      spec = EntrySpec(
+          p['name'], p['tag'], p['treedef'], 0, 'perturb', p.get('ordinal')
+      )
+      self.add_entry(spec, [], where_)
+      return invals
+    if p['kind'] in MARKER_KINDS:
+      self.names.setdefault(p['name'], None)
+      return invals
+    n = len(invals) - p['n_closure']
+    given = invals[:n]  # returned as they are (NumPy stays NumPy)
+    invals = [
+        x
+        if isinstance(x, (jax.Array, jax.core.Tracer)) or _jax.is_ref(x)
+        else jnp.asarray(x)
+        for x in invals
+    ]
+    values, closure = invals[:n], invals[n:]
+    if p['reduction'] is None:
+      spec = EntrySpec(
+          p['name'],
+          p['tag'],
+          p['treedef'],
+          len(values),
+          p['kind'],
+          p.get('ordinal'),
+      )
+      self.add_entry(spec, values, where_)
+    else:
+      self.reduce(
+          p['name'],
+          p['reduction'],
+          p['treedef'],
+          values,
+          p['batch_dims'],
+          where_,
+          closure,
+      )
+    return given
+
+  # -- sub-jaxprs ---------------------------------------------------------
+
+  def reduced_specs(self, jaxprs) -> tuple[ReducedSpec, ...]:
+    """Specs of the reduced names sown in ``jaxprs``; creates accumulators.
+
+    A name not yet reduced in this scope starts from the ``init_fn()`` of
+    its first site in ``jaxprs``.
+    """
+    return self.reduced_specs_of(self.accepted_sites(jaxprs))
+
+  def reduced_specs_of(
+      self, sites: tp.Sequence[SowSite]
+  ) -> tuple[ReducedSpec, ...]:
+    """:meth:`reduced_specs` for sites found by the caller."""
+    sites = [s for s in sites if s.kind not in MARKER_KINDS]
+    # A name sown inside a shard_map is kept per shard over the union of
+    # the axes its sites vary over.
+    sharded: dict[Name, ShardAxes | None] = {}
+    for site in sites:
+      if site.reduction is None:
+        continue
+      if site.name not in sharded:
+        sharded[site.name] = site.sharded
+        continue
+      seen = sharded[site.name]
+      both = (
+          None
+          if seen is None or site.sharded is None
+          else seen.union(site.sharded)
+      )
+      if (seen is None) != (site.sharded is None) or (
+          seen is not None and both is None
+      ):
+        raise _sharded_error(site.name, site.where)
+      sharded[site.name] = both
+    # A new accumulator starts from the init_fn() of the name's site traced
+    # first (the same as the first in program order, except across the
+    # branches of a cond: true_fun's, the branch written first).
+    first: dict[Name, SowSite] = {}
+    for site in sites:
+      if site.reduction is not None and (
+          site.name not in first
+          or site.reduction.traced < first[site.name].reduction.traced
+      ):
+        first[site.name] = site
+    specs: dict[Name, ReducedSpec] = {}
+    for site in sites:
+      if site.reduction is None:
+        if site.name in self.accumulators:
+          raise _reduction_error(site.name, site.where)
+        continue
+      if site.name in specs:
+        continue
+      site = first[site.name]
+      snap = site.reduction.snapshot
+      if (
+          site.name not in self.accumulators
+          and snap is not None
+          and snap.n_init_closure
+      ):
+        raise NotImplementedError(
+            f'sow {site.name!r}{site.where}: its init_fn reads a value traced'
+            ' inside the construct that holds the sow, but the accumulator'
+            ' is created before the construct runs. Make init_fn return'
+            ' constants (e.g. jnp.zeros(shape)).'
+        )
+      acc = self.accumulator(
+          site.name,
+          site.reduction,
+          (site.eqn.params['treedef'], site.value_avals()),
+          site.where,
+          sharded=sharded[site.name],
+      )
+      specs[site.name] = ReducedSpec(
+          site.name, acc.treedef, acc.avals, self.sharded.get(site.name)
+      )
+    return tuple(specs.values())
+
+  def prepare(
+      self, jaxpr: _jax.ClosedJaxpr, python_folds: bool = False
+  ) -> tuple[_jax.ClosedJaxpr, Layout, list[tp.Any]]:
+    """What a rule for a one-body primitive needs, in one call.
+
+    Returns:
+      ``(rewritten, layout, accumulators)``: ``jaxpr`` rewritten for this
+      capture (see :meth:`rewrite`), the layout of its extra outputs, and the
+      accumulator leaves to pass as its leading inputs. ``python_folds``:
+      the sub-jaxpr runs once per equation, its sows folded in order (a
+      ``jit``, see :class:`Collector`).
+    """
+    specs = self.reduced_specs([jaxpr])
+    rewritten, layout = self.rewrite(jaxpr, specs, python_folds)
+    return rewritten, layout, self.accumulator_leaves(specs)
+
+  def vary_accumulators(
+      self, specs: tuple[ReducedSpec, ...], axes: frozenset
+  ) -> tuple[ReducedSpec, ...]:
+    """Marks the accumulators of ``specs`` as varying over manual ``axes``.
+
+    Inside ``shard_map``, a loop or branch whose predicate varies over mesh
+    axes runs differently per shard, so what it folds does too, even where
+    the values do not vary (a step counter); JAX's types do not say so.
+    """
+    if not axes:
+      return specs
+    out = []
+    for spec in specs:
+      acc = self.accumulators[spec.name]
+      acc = Accumulator(
+          acc.treedef, tuple(_jax.pvary(x, tuple(axes)) for x in acc.leaves)
+      )
+      self.accumulators[spec.name] = acc
+      out.append(dataclasses.replace(spec, avals=acc.avals))
+    return tuple(out)
+
+  def accumulator_leaves(self, specs: tp.Sequence[ReducedSpec]) -> list:
+    return [x for s in specs for x in self.accumulators[s.name].leaves]
+
+  def rewrite(
+      self,
+      jaxpr: _jax.ClosedJaxpr,
+      specs: tuple[ReducedSpec, ...],
+      python_folds: bool = False,
+  ) -> tuple[_jax.ClosedJaxpr, Layout]:
+    """``jaxpr`` with what this capture collects in it as extra outputs.
+
+    See :class:`Layout` for the signature. Cached per (jaxpr, tags,
+    accumulator types), so re-binding a rewritten ``jit`` hits its cache.
+    """
+    return rewrite_jaxpr(jaxpr, self.accepts_key, specs, python_folds)
+
+  def absorb(self, layout: Layout, extra: tp.Sequence[tp.Any]) -> None:
+    """Records the extra outputs of a rewritten jaxpr, laid out by ``layout``.
+
+    Entries from a loop carry one more leading axis, which changes nothing
+    here.
+    """
+    extra = list(extra)
+    assert len(extra) == layout.num_extra, (len(extra), layout)
+    for name in layout.names:  # keeps the order of first sow
+      self.names.setdefault(name, None)
+    pos = 0
+    for spec in layout.entries:
+      self.add_entry(spec, extra[pos : pos + spec.size])
+      pos += spec.size
+    for spec in layout.reduced:
+      n = len(spec.avals)
+      acc = self.accumulators.get(spec.name)
+      if (
+          not self.python_folds
+          and acc is not None
+          and (
+              spec.treedef != acc.treedef
+              or not _same_types(spec.avals, acc.avals)
+          )
+      ):
+        raise ValueError(
+            f'sow {spec.name!r}: reduce_fn changed the accumulator from'
+            f' {_describe(acc.treedef, acc.avals)} to'
+            f' {_describe(spec.treedef, spec.avals)} inside a `jax.jit`'
+            ' within a loop or branch, which carries it with a fixed type.'
+            ' Make init_fn() return a value of the type reduce_fn produces.'
+        )
+      self.accumulators[spec.name] = Accumulator(
+          spec.treedef, tuple(extra[pos : pos + n])
+      )
+      pos += n
+    for spec in layout.reduced:
+      self.names.setdefault(spec.name, None)
+
+  def split_outputs(
+      self, layout: Layout, outs: tp.Sequence[tp.Any], n_out: int
+  ) -> list[tp.Any]:
+    """Absorbs the extra outputs after the first ``n_out``; returns those."""
+    outs = list(outs)
+    self.absorb(layout, outs[n_out:])
+    return outs[:n_out]
+
+  def layout(self, specs: tuple[ReducedSpec, ...]) -> Layout:
+    entries = tuple(spec for spec, _ in self.entries)
+    reduced = tuple(
+        ReducedSpec(
+            s.name,
+            self.accumulators[s.name].treedef,
+            self.accumulators[s.name].avals,
+            s.sharded,
+        )
+        for s in specs
+    )
+    return Layout(entries, reduced, tuple(self.names))
+
+  def extra_outputs(self, specs: tuple[ReducedSpec, ...]) -> list[tp.Any]:
+    leaves = [x for _, ls in self.entries for x in ls]
+    return leaves + self.accumulator_leaves(specs)
+
+  def result(self) -> Collected:
+    """The ``collected`` dict: names in order of first sow."""
+    plain: dict[Name, list[tuple[EntrySpec, tp.Any]]] = {}
+    for spec, ls in self.entries:
+      value = None
+      if spec.kind != 'perturb':
+        value = jax.tree_util.tree_unflatten(spec.treedef, ls)
+      plain.setdefault(spec.name, []).append((spec, value))
+    out = Collected()
+    cotangents = set()
+    for name in self.names:
+      if name in self.accumulators:
+        acc = self.accumulators[name]
+        out[name] = jax.tree_util.tree_unflatten(acc.treedef, acc.leaves)
+      elif self.meanings.get(name) == 'cotangent':
+        values = _in_call_order(plain.get(name, []))
+        if values:  # else: a perturb never differentiated: nothing
+          out[name] = tuple(values)
+          cotangents.add(name)
+      elif name in plain:
+        out[name] = tuple(v for _, v in plain[name])
+    out.cotangents = frozenset(cotangents)
+    return out
+
+
+class Collected(dict):
+  """The ``dict`` a capture returns; a pytree that keeps insertion order.
+
+  A plain ``dict`` is flattened in sorted key order, which fails for a mix of
+  ``str`` and tuple names and would reorder names under ``jax.jit``; this
+  subclass flattens in the order of first sow. ``cotangents`` names the
+  entries that are ``perturb`` cotangents (so ``intervene`` does not patch
+  a gradient in as a value). It is registered with ``jax.export``, so an
+  exported capture serializes; its keys and the mark survive the round trip.
+  """
+
+  cotangents: frozenset = frozenset()
+
+
+def _flatten_collected(d):
+  keys = tuple(d)
+  children = [(jax.tree_util.DictKey(k), d[k]) for k in keys]
+  return children, (keys, d.cotangents)
+
+
+def _unflatten_collected(aux, values):
+  keys, cotangents = aux
+  out = Collected(zip(keys, values))
+  out.cotangents = cotangents
+  return out
+
+
+jax.tree_util.register_pytree_with_keys(
+    Collected, _flatten_collected, _unflatten_collected
+)
+
+
+def _name_to_json(name: tp.Any) -> tp.Any:
+  if isinstance(name, str):
+    return name
+  if (
+      isinstance(name, tuple)
+      and name
+      and all(
+          isinstance(p, str) or (isinstance(p, int) and not isinstance(p, bool))
+          for p in name
+      )
+  ):
+    return list(name)
+  raise TypeError(
+      f'jax.export: cannot serialize a Collected with the key {name!r} of'
+      f' type {type(name).__name__}; only sow names (a str or a tuple of'
+      ' str/int) serialize. Rename the entry, or return a plain dict.'
+  )
+
+
+def _name_from_json(name: tp.Any) -> Name:
+  return name if isinstance(name, str) else tuple(name)
+
+
+def _serialize_collected_aux(aux) -> bytes:
+  keys, cotangents = aux
+  # The cotangent names in key order, so equal aux data give equal bytes.
+  marked = [k for k in keys if k in cotangents]
+  marked += sorted((k for k in cotangents if k not in keys), key=repr)
+  return json.dumps(
+      {
+          'keys': [_name_to_json(k) for k in keys],
+          'cotangents': [_name_to_json(k) for k in marked],
+      }
+  ).encode('utf-8')
+
+
+def _deserialize_collected_aux(data: bytes):
+  aux = json.loads(data.decode('utf-8'))
+  keys = tuple(_name_from_json(k) for k in aux['keys'])
+  return keys, frozenset(_name_from_json(k) for k in aux['cotangents'])
+
+
+# ``jax.export``'s ``Exported.serialize`` writes the in and out trees of the
+# exported function; a capture returns a Collected, so it must be known there
+# (with its key order and its cotangent mark).
+jax.export.register_pytree_node_serialization(
+    Collected,
+    serialized_name='flax.nnx.sow.Collected',
+    serialize_auxdata=_serialize_collected_aux,
+    deserialize_auxdata=_deserialize_collected_aux,
+)
+
+
+_CARRIED_NOTE = (
+    ' (Module.sow lets reduce_fn change it only where no loop, branch or'
+    ' vmap carries the accumulator: at the top level of the capture or in'
+    ' a jit body.)'
+)
+
+
+def _same_types(a, b) -> bool:
+  return len(a) == len(b) and all(
+      x.shape == y.shape and x.dtype == y.dtype for x, y in zip(a, b)
+  )
+
+
+def _describe(treedef, avals) -> str:
+  types = ', '.join(a.str_short() for a in avals)
+  return f'{treedef} of [{types}]'
+
+
+# ----------------------------------------------------------------------------
+# The rewrite of one sub-jaxpr.
+
+_rewrite_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_rewrite_lock = threading.Lock()
+
+
+def cached(source: tp.Any, key: tp.Hashable, build: tp.Callable[[], tp.Any]):
+  """``build()``, memoised per ``source`` object (weakly) and ``key``.
+
+  Rules derive new jaxprs from the ones in an equation; returning the same
+  object for the same input keeps JAX's compilation caches warm.
+  """
+  per_source = _rewrite_cache.get(source)
+  if per_source is not None and key in per_source:
+    return per_source[key]
+  result = build()
+  with _rewrite_lock:
+    _rewrite_cache.setdefault(source, {})[key] = result
+  return result
+
+
+@dataclasses.dataclass(frozen=True)
+class Edited:
+  """A jaxpr whose accepted sows were removed and their operands returned."""
+
+  jaxpr: _jax.Jaxpr  # returns [*outputs, *entry_leaves]
+  layout: Layout
+
+
+def edit_plain_sows(
+    jaxpr: _jax.Jaxpr, accepts_key: frozenset | None | object
+) -> Edited | None:
+  """The rewrite as an edit of ``jaxpr``, where that is all it takes.
+
+  When every sow the capture accepts is a plain sow at the top level of
+  ``jaxpr`` and no sub-jaxpr holds one, collecting is an edit: drop those
+  equations, let their consumers read the operands instead, and append the
+  operands to the outputs. Nothing is re-traced, and the edited jaxpr can be
+  copied into the caller's trace whole. Returns ``None`` otherwise (reduced
+  sows or sub-jaxprs with work need the interpreter).
+  """
+  subst: dict[_jax.Var, tp.Any] = {}
+  eqns = []
+  entries = []
+  names = {}
+  sown = []
+  for eqn in jaxpr.eqns:
+    p = eqn.params
+    if eqn.primitive is sow_p and not p['remat_copy']:
+      if accepts(
+          accepts_key, p['tag'], p['reduction'], p['kind'], p['name']
+      ):
+        if p['reduction'] is not None:
+          return None
+        operands = [
+            subst.get(v, v) if isinstance(v, _jax.Var) else v
+            for v in eqn.invars
+        ]
+        subst.update(zip(eqn.outvars, operands))
+        names.setdefault(p['name'], None)
+        if p['kind'] == 'perturb':  # the forward marker (see EntrySpec)
+          entries.append(
+              EntrySpec(
+                  p['name'], p['tag'], p['treedef'], 0, 'perturb',
+                  p.get('ordinal'),
+              )
+          )
+        elif p['kind'] not in MARKER_KINDS:
+          entries.append(
+              EntrySpec(
+                  p['name'],
+                  p['tag'],
+                  p['treedef'],
+                  len(operands),
+                  p['kind'],
+                  p.get('ordinal'),
+              )
+          )
+          sown.extend(operands)
+        continue
+    elif any(
+        accepts(accepts_key, s.tag, s.reduction, s.kind, s.name)
+        for sub in _jax.jaxprs_in_params(p)
+        for s in sow_sites(sub)
+    ):
+      return None
+    if subst and any(
+        isinstance(v, _jax.Var) and v in subst for v in eqn.invars
+    ):
+      eqn = eqn.replace(
+          invars=[
+              subst.get(v, v) if isinstance(v, _jax.Var) else v
+              for v in eqn.invars
+          ]
+      )
+    eqns.append(eqn)
+  outvars = [
+      subst.get(v, v) if isinstance(v, _jax.Var) else v for v in jaxpr.outvars
+  ]
+  return Edited(
+      _jax.edit_jaxpr(jaxpr, eqns, [*outvars, *sown]),
+      Layout(tuple(entries), (), tuple(names)),
+  )
+
+
+def rewrite_jaxpr(
+    jaxpr: _jax.ClosedJaxpr,
+    accepts_key: frozenset | None,
+    specs: tuple[ReducedSpec, ...],
+    python_folds: bool = False,
+) -> tuple[_jax.ClosedJaxpr, Layout]:
+  """See :meth:`Collector.rewrite`."""
+  return cached(
+      jaxpr,
+      ('rewrite', accepts_key, specs, python_folds),
+      lambda: _rewrite_jaxpr(jaxpr, accepts_key, specs, python_folds),
+  )
+
+
+def _rewrite_jaxpr(jaxpr, accepts_key, specs, python_folds=False):
+  if not specs:
+    edited = edit_plain_sows(jaxpr.jaxpr, accepts_key)
+    if edited is not None:
+      return _jax.ClosedJaxpr(edited.jaxpr, jaxpr.consts), edited.layout
+  num_acc = sum(len(s.avals) for s in specs)
+  layout_box = []
+
+  def rewritten(*args):
+    acc_leaves, inputs = args[:num_acc], args[num_acc:]
+    inner = Collector(accepts_key)
+    inner.python_folds = python_folds
+    pos = 0
+    for s in specs:
+      n = len(s.avals)
+      inner.accumulators[s.name] = Accumulator(
+          s.treedef, tuple(acc_leaves[pos : pos + n])
+      )
+      if s.sharded is not None:
+        inner.sharded[s.name] = s.sharded
+      pos += n
+    outs = eval_collecting(jaxpr.jaxpr, jaxpr.consts, inputs, inner)
+    layout_box.append(inner.layout(specs))
+    return [*outs, *inner.extra_outputs(specs)]
+
+  in_avals = [a for s in specs for a in s.avals] + list(jaxpr.in_avals)
+  new = _jax.trace_to_closed_jaxpr(rewritten, in_avals, 'capture_rewrite')
+  return new, layout_box[-1]
+
+
+# ----------------------------------------------------------------------------
+# The generic loop.
+
+
+def eval_collecting(
+    jaxpr: _jax.Jaxpr,
+    consts: tp.Sequence[tp.Any],
+    args: tp.Sequence[tp.Any],
+    collector: Collector,
+) -> list[tp.Any]:
+  """Evaluates ``jaxpr`` on the current trace, collecting into ``collector``."""
+  return interpret(jaxpr, consts, args, collector, collect_rules, _unsupported)
+
+
+def interpret(jaxpr, consts, args, handler, rules, unsupported) -> list:
+  """The loop of :func:`eval_collecting` (and of ``intervene``).
+
+  Binds every equation of ``jaxpr`` as ``jax.core.eval_jaxpr`` would, except
+  that a sow goes to ``handler.on_sow(eqn, invals)`` and a higher-order
+  primitive whose sub-jaxprs ``handler.has_work`` to ``rules[primitive]``
+  (``unsupported(eqn, handler)`` is raised where there is none).
+  """
+  env: dict[_jax.Var, tp.Any] = {}
+
+  def read(v):
+    return v.val if isinstance(v, _jax.Literal) else env[v]
+
+  env.update(zip(jaxpr.constvars, consts))
+  env.update(zip(jaxpr.invars, args))
+  for eqn in jaxpr.eqns:
+    invals = [read(v) for v in eqn.invars]
+    with _jax.equation_context(eqn):
+      if eqn.primitive is sow_p:
+        outs = handler.on_sow(eqn, invals)
+      else:
+        subs = list(_jax.jaxprs_in_params(eqn.params))
+        if subs and handler.has_work(subs):
+          rule = rules.get(eqn.primitive)
+          if rule is None:
+            raise unsupported(eqn, handler)
+          outs = rule(handler, eqn, invals)
+        else:
+          outs = _jax.bind_equation(eqn, invals)
+    env.update(zip(eqn.outvars, outs))
+  return [_jax.as_value(read(v)) for v in jaxpr.outvars]
+
+
+def construct_name(primitive: _jax.Primitive) -> str:
+  return construct_names.get(primitive, f'`{primitive.name}`')
+
+
+def _unsupported(eqn, collector) -> NotImplementedError:
+  sites = collector.accepted_sites(_jax.jaxprs_in_params(eqn.params))
+  names = sorted({repr(s.name) for s in sites})
+  return NotImplementedError(
+      f'sow {", ".join(names)}{sites[0].where}: capture cannot collect sows'
+      ' inside'
+      f' {construct_name(eqn.primitive)} (primitive `{eqn.primitive.name}`'
+      ' has no capture rule). Sow the value outside that construct (return'
+      ' it from it and sow the result), or register a rule for the'
+      ' primitive in flax.nnx.sow.capture.collect_rules (see'
+      ' CONTRIBUTING.md).'
+  )
+
+
+def is_array(x) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, jax.core.Tracer)) or (
+      _jax.is_ref(x)
+  )

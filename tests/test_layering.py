@@ -1,0 +1,174 @@
+# Copyright 2026 The Flax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""The package's layers, read from its source (AST), without importing it.
+
+* No import cycle between the package's modules.
+* ``jax._src`` is imported only by ``_jax.py`` (aliases) and
+  ``_jax_patches.py`` (the patch inventory).
+* Only ``_jax_patches.py`` replaces JAX objects: no other file assigns to an
+  attribute of something it imported from JAX or from ``_jax`` (``setattr``
+  included).
+* The NNX files are the only ones that import ``flax.nnx``, and the modules
+  the functional core is made of never import them directly.
+"""
+
+import ast
+import pathlib
+
+from absl.testing import absltest
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / 'flax/nnx/sow'
+PREFIX = 'flax.nnx.sow'
+
+# The NNX layer (the only files that import flax.nnx).
+NNX_FILES = frozenset({'graph', 'paths', 'nnx_shims', 'state'})
+# The two core files that still reach the NNX layer (the path scope around a
+# capture call, graph nodes among intervene's arguments, nnx.State values for
+# intervene): to be replaced by call hooks the NNX layer registers.
+NNX_EDGES_TO_REMOVE = frozenset({'capture', 'intervene'})
+# Functional-core modules that must not import the NNX layer directly.
+CORE_FILES = frozenset({
+    'primitive',
+    'perturb',
+    'reductions',
+    'collect',
+    'toplevel',
+    'rules',
+    'loops',
+    'control',
+    'batching',
+    'sharding',
+    'invariance',
+    'custom_primal',
+    '_jax',
+    '_jax_patches',
+})
+
+
+def _modules():
+  return {p.stem: ast.parse(p.read_text()) for p in PACKAGE.glob('*.py')}
+
+
+def _imported(tree) -> list[str]:
+  """Every module name a file imports (``from a import b`` gives ``a.b``
+  and ``a``)."""
+  names = []
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      names.extend(a.name for a in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.module:
+      names.append(node.module)
+      names.extend(f'{node.module}.{a.name}' for a in node.names)
+  return names
+
+
+def _package_imports(tree) -> set[str]:
+  own = set()
+  for name in _imported(tree):
+    if name.startswith(PREFIX + '.'):
+      own.add(name[len(PREFIX) + 1 :].split('.')[0])
+  return own
+
+
+class LayeringTest(absltest.TestCase):
+
+  def test_no_import_cycles(self):
+    modules = _modules()
+    graph = {m: _package_imports(t) & set(modules) for m, t in modules.items()}
+    graph.pop('__init__', None)
+    for deps in graph.values():
+      deps.discard('__init__')
+
+    def cycle_from(start):
+      stack, seen = [(start, [start])], set()
+      while stack:
+        node, path = stack.pop()
+        for nxt in graph.get(node, ()):
+          if nxt == start:
+            return path + [start]
+          if nxt not in seen:
+            seen.add(nxt)
+            stack.append((nxt, path + [nxt]))
+      return None
+
+    for m in sorted(graph):
+      cycle = cycle_from(m)
+      self.assertIsNone(cycle, f'import cycle: {" -> ".join(cycle or ())}')
+
+  def test_jax_internals_only_in_the_two_jax_files(self):
+    for name, tree in _modules().items():
+      if name in ('_jax', '_jax_patches'):
+        continue
+      bad = [n for n in _imported(tree) if n.startswith('jax._src')]
+      self.assertEmpty(bad, f'{name}.py imports {bad}; alias it in _jax.py')
+
+  def test_only_the_inventory_replaces_jax_objects(self):
+    for name, tree in _modules().items():
+      if name == '_jax_patches':
+        continue
+      jax_names = {'jax', '_jax'}
+      for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and (
+            node.module == 'jax' or node.module.startswith('jax.')
+        ):
+          jax_names.update(a.asname or a.name for a in node.names)
+        elif isinstance(node, ast.Import):
+          for a in node.names:
+            if a.name == 'jax' or a.name.startswith('jax.'):
+              jax_names.add((a.asname or a.name).split('.')[0])
+      for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+          targets = node.targets if isinstance(node, ast.Assign) else [
+              node.target
+          ]
+        for target in targets:
+          if isinstance(target, ast.Attribute):
+            base = target.value
+            while isinstance(base, ast.Attribute):
+              base = base.value
+            if isinstance(base, ast.Name) and base.id in jax_names:
+              self.fail(
+                  f'{name}.py:{node.lineno} assigns {ast.unparse(target)};'
+                  ' replacements of JAX objects go in _jax_patches.py'
+              )
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == 'setattr'
+            and node.args
+            and isinstance(node.args[0], ast.Name)
+            and node.args[0].id in jax_names
+        ):
+          self.fail(f'{name}.py:{node.lineno} calls setattr on a JAX object')
+
+  def test_flax_nnx_only_in_the_nnx_layer(self):
+    for name, tree in _modules().items():
+      imported = _imported(tree)
+      if name not in NNX_FILES | NNX_EDGES_TO_REMOVE and name != '__init__':
+        bad = [
+            n
+            for n in imported
+            if (n == 'flax.nnx' or n.startswith('flax.nnx.'))
+            and not n.startswith(PREFIX)
+        ]
+        self.assertEmpty(bad, f'{name}.py imports {bad} (NNX layer only)')
+      if name in CORE_FILES:
+        nnx = sorted(_package_imports(tree) & NNX_FILES)
+        self.assertEmpty(nnx, f'core file {name}.py imports NNX layer {nnx}')
+
+
+if __name__ == '__main__':
+  absltest.main()

@@ -34,16 +34,17 @@ PREFIX = 'flax.nnx.sow'
 
 # The NNX layer (the only files that import flax.nnx).
 NNX_FILES = frozenset({'graph', 'paths', 'nnx_shims', 'state'})
-# The two core files that still reach the NNX layer (the path scope around a
-# capture call, graph nodes among intervene's arguments, nnx.State values for
-# intervene): to be replaced by call hooks the NNX layer registers.
-NNX_EDGES_TO_REMOVE = frozenset({'capture', 'intervene'})
+# The core file that still reaches into NNX: intervene accepts an nnx.State
+# as ``values`` (a converter the NNX layer could register instead). Capture
+# and intervene calls reach the NNX layer only through ``collect.call_hooks``.
+NNX_EDGES_TO_REMOVE = frozenset({'intervene'})
 # Functional-core modules that must not import the NNX layer directly.
 CORE_FILES = frozenset({
     'primitive',
     'perturb',
     'reductions',
     'collect',
+    'capture',
     'toplevel',
     'rules',
     'loops',

@@ -35,7 +35,6 @@ import jax
 import numpy as np
 
 from flax.nnx.sow import _jax
-from flax.nnx.sow import graph as graph_lib
 from flax.nnx.sow import primitive as primitive_lib
 from flax.nnx.sow import toplevel
 from flax.nnx.sow.primitive import Name
@@ -64,6 +63,8 @@ from flax.nnx.sow.collect import edit_plain_sows
 from flax.nnx.sow.collect import rewrite_jaxpr
 from flax.nnx.sow.collect import eval_collecting
 from flax.nnx.sow.collect import interpret
+from flax.nnx.sow.collect import is_opaque_leaf
+from flax.nnx.sow.collect import run_with_call_hooks
 from flax.nnx.sow.collect import construct_name
 from flax.nnx.sow.collect import is_array
 from flax.nnx.sow.collect import _sites_cache  # pylint: disable=unused-import
@@ -224,11 +225,11 @@ class _EagerJitted:
     static_pos = {i % len(args) for i in self.static_argnums if args}
     flags = []
     for i, a in enumerate(args):
-      n = len(jax.tree_util.tree_leaves(a, is_leaf=graph_lib.is_graph_leaf))
+      n = len(jax.tree_util.tree_leaves(a, is_leaf=is_opaque_leaf))
       flags += [i in static_pos] * n
     for k in sorted(kwargs):
       n = len(
-          jax.tree_util.tree_leaves(kwargs[k], is_leaf=graph_lib.is_graph_leaf)
+          jax.tree_util.tree_leaves(kwargs[k], is_leaf=is_opaque_leaf)
       )
       flags += [k in self.static_argnames] * n
     return flags
@@ -237,9 +238,9 @@ class _EagerJitted:
     if not self.enabled or not primitive_lib.is_eager():
       return None
     leaves, in_tree = jax.tree_util.tree_flatten(
-        (args, kwargs), is_leaf=graph_lib.is_graph_leaf
+        (args, kwargs), is_leaf=is_opaque_leaf
     )
-    if any(graph_lib.is_graph_leaf(x) or _jax.is_ref(x) for x in leaves):
+    if any(is_opaque_leaf(x) or _jax.is_ref(x) for x in leaves):
       return None  # graph nodes and refs: their updates need the split path
     static = self._static_leaves(args, kwargs)
     if len(static) != len(leaves):
@@ -292,16 +293,16 @@ def _run_captured(f_ref, accepts_key, in_tree, mask, statics, *arrays):
 
 
 def _capture_call(f, accepts_key, args, kwargs):
-  # Every call runs with a path scope for ``Module.sow`` (graph.py). ``f``
-  # runs on the caller's trace and gets the caller's NNX objects, which it
-  # updates in place (toplevel.py).
-  return graph_lib.functional_graph_call(
+  # ``f`` runs on the caller's trace and gets the caller's objects, which it
+  # updates in place (toplevel.py); the call hooks (the NNX layer's path
+  # scope for ``Module.sow``) run around it.
+  return run_with_call_hooks(
       lambda pure_f, a, kw: stage_and_collect(pure_f, accepts_key, a, kw),
       f,
       args,
       kwargs,
-      in_place=True,
       tags=tags_of(accepts_key),
+      in_place=True,
   )
 
 

@@ -65,6 +65,40 @@ sows in its sub-jaxprs reach ``collector`` (via :meth:`Collector.rewrite` and
 :meth:`Collector.absorb`), and returns the equation's ordinary outputs.
 """
 
+CallHook = tp.Callable[..., tp.Any]
+
+call_hooks: list[CallHook] = []
+"""Hooks around every call of a captured or intervened function.
+
+``hook(run, f, args, kwargs, *, tags, in_place) -> out`` must call
+``run(f2, args2, kwargs2)`` once, and return what it returns (possibly
+changed back, e.g. objects restored). ``tags`` are the tags the capture
+accepts (``None``: all); ``in_place`` says whether ``run`` calls ``f`` on the
+caller's trace (a capture) or stages it (``intervene``). The NNX layer
+registers one (``graph.py``: the path scope for ``Module.sow``, NNX graph
+nodes among the arguments); the functional core knows nothing of NNX.
+"""
+
+opaque_leaf_checks: list[tp.Callable[[tp.Any], bool]] = []
+"""Predicates for objects a capture must not flatten as pytrees (NNX graph
+nodes, registered by ``graph.py``)."""
+
+
+def is_opaque_leaf(x) -> bool:
+  return any(check(x) for check in opaque_leaf_checks)
+
+
+def run_with_call_hooks(run, f, args, kwargs, *, tags, in_place):
+  """``run(f, args, kwargs)`` inside every registered call hook."""
+  for hook in reversed(call_hooks):
+    run = _around(hook, run, tags, in_place)
+  return run(f, args, kwargs)
+
+
+def _around(hook, run, tags, in_place):
+  return lambda f, a, kw: hook(run, f, a, kw, tags=tags, in_place=in_place)
+
+
 construct_names: dict[_jax.Primitive, str] = {}
 """How errors name a primitive's construct (``'lax.scan'`` for ``scan``)."""
 

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from flax.nnx.sow import collect
 from flax.nnx.sow.paths import ActiveScope
 from flax.nnx.sow.paths import Scope
 from flax.nnx.sow.paths import is_graph_leaf
@@ -256,3 +257,16 @@ def _split_call(stage, f, scope, leaves, treedef, positions, nodes):
   ):
     nnx.update(nodes, updates)
   return _uncross_out(out, nodes), extra
+
+
+def _call_hook(run, f, args, kwargs, *, tags, in_place):
+  """The NNX layer around every capture and intervene call (see
+  ``collect.call_hooks``): the path scope for ``Module.sow``, and the NNX
+  graph nodes among the arguments."""
+  return functional_graph_call(
+      run, f, args, kwargs, tags=tags, in_place=in_place
+  )
+
+
+collect.call_hooks.append(_call_hook)
+collect.opaque_leaf_checks.append(is_graph_leaf)

@@ -46,7 +46,6 @@ import jax
 
 from flax.nnx.sow import _jax
 from flax.nnx.sow.capture import capture as capture_transform
-from flax.nnx.sow import graph as graph_lib
 from flax.nnx.sow.capture import accepts
 from flax.nnx.sow.capture import as_jaxpr
 from flax.nnx.sow.capture import cached
@@ -55,6 +54,7 @@ from flax.nnx.sow.capture import construct_name
 from flax.nnx.sow.capture import sow_sites
 from flax.nnx.sow.capture import stage
 from flax.nnx.sow.capture import where
+from flax.nnx.sow.collect import run_with_call_hooks
 from flax.nnx.sow.loops import _branches_hoisted  # pylint: disable=protected-access
 from flax.nnx.sow.loops import _hoisted  # pylint: disable=protected-access
 from flax.nnx.sow.primitive import Intervening
@@ -948,7 +948,7 @@ def intervene(
 
   @functools.wraps(f)
   def intervened(*args, **kwargs):
-    out, _ = graph_lib.functional_graph_call(
+    out, _ = run_with_call_hooks(
         lambda pure_f, a, kw: (
             _stage_and_intervene(
                 pure_f, accepts_key, values, strict, token, a, kw
@@ -961,6 +961,7 @@ def intervene(
         # intervene collects nothing: a Module.sow inside is named here but
         # recorded by an enclosing capture that accepts it (nnx.capture).
         tags=(),
+        in_place=False,
     )
     return out
 

@@ -59,6 +59,7 @@ from flax.nnx.sow.loops import _branches_hoisted  # pylint: disable=protected-ac
 from flax.nnx.sow.loops import _hoisted  # pylint: disable=protected-access
 from flax.nnx.sow.primitive import Intervening
 from flax.nnx.sow.rules import bind_remat_opt
+from flax.nnx.sow.rules import stage_vmap_rule
 from flax.nnx.sow.primitive import Name
 from flax.nnx.sow.primitive import sow_p
 from flax.nnx.sow.primitive import staging_active
@@ -751,17 +752,8 @@ class _InterveningVmapRule:
     end = len(args) - self.n_reps
     flags = list(in_batched[self.n_lead : end])
     values = list(args[self.n_lead : end])
-    box = []
-
-    def run(*xs):
-      outs, batched = _jax.call_vmap_rule(
-          self.rule, self.in_tree, self.out_tree, axis_size, flags, xs
-      )
-      box.append(batched)
-      return outs
-
-    closed = _jax.trace_to_closed_jaxpr(
-        run, [_jax.typeof(x) for x in values], 'custom_vmap_rule'
+    closed, box = stage_vmap_rule(
+        self.rule, self.in_tree, self.out_tree, axis_size, flags, values
     )
     injector = Injector(self.accepts_key, dict(self.fns), strict=False)
     outs = eval_intervening(closed.jaxpr, closed.consts, values, injector)

@@ -115,6 +115,28 @@ construct_names[_jax.remat_p] = '`jax.checkpoint`'
 # rewritten primal body already returns what those sows collect.
 
 
+def stage_vmap_rule(rule, in_tree, out_tree, axis_size, flags, values):
+  """A ``custom_vmap`` rule staged on flat ``values`` with batched ``flags``.
+
+  Returns ``(closed, box)``: the jaxpr, and a list whose last entry, once the
+  jaxpr is staged, says which outputs the rule batched. Shared by the
+  capture and intervene rules of ``custom_vmap_call``.
+  """
+  box = []
+
+  def run(*xs):
+    outs, batched = _jax.call_vmap_rule(
+        rule, in_tree, out_tree, axis_size, flags, xs
+    )
+    box.append(batched)
+    return outs
+
+  closed = _jax.trace_to_closed_jaxpr(
+      run, [_jax.typeof(x) for x in values], 'custom_vmap_rule'
+  )
+  return closed, box
+
+
 def _without_repeated_sows(accepts_key, layout, rule, args, what):
   """``rule(*args)``, dropping the sows this capture took from the body.
 
@@ -366,17 +388,8 @@ class CollectingVmapRule:
       )
     flags = list(in_batched[self.n_lead :])
     values = list(args[self.n_lead :])
-    box = []
-
-    def run(*xs):
-      outs, batched = _jax.call_vmap_rule(
-          self.rule, self.in_tree, self.out_tree, axis_size, flags, xs
-      )
-      box.append(batched)
-      return outs
-
-    closed = _jax.trace_to_closed_jaxpr(
-        run, [_jax.typeof(x) for x in values], 'custom_vmap_rule'
+    closed, box = stage_vmap_rule(
+        self.rule, self.in_tree, self.out_tree, axis_size, flags, values
     )
     inner = Collector(self.accepts_key)
     outs = eval_collecting(closed.jaxpr, closed.consts, values, inner)

@@ -250,3 +250,50 @@ def _custom_sin_sowing(custom):
 
 if __name__ == '__main__':
   absltest.main()
+
+
+class InitAfterRetraceTest(absltest.TestCase):
+  """A name first sown in a custom rule that JAX traces again under grad.
+
+  Found by the generator: in a cond branch, a reduced name's first site is
+  in a ``custom_vjp(optimize_remat=True)`` body, a later one in a
+  ``while_loop``. Under ``jax.grad`` the custom call's body is traced again,
+  so its site was traced after the loop's, and the accumulator started from
+  the loop's ``init_fn()`` (0) instead of the first site's (3).
+  """
+
+  def test_program_order_decides_within_a_branch(self):
+    def run(x):
+      sow(x, name='count', reduce_fn=lambda a, v: a + 2,
+          init_fn=lambda: jnp.int32(3))
+      return jnp.cos(x)
+
+    fn = jax.custom_vjp(run)
+    fn.defvjp(lambda x: (run(x), None), lambda _, ct: (2.0 * ct,),
+              optimize_remat=True)
+
+    def branch(x):
+      y = fn(x)
+
+      def body(c):
+        i, v = c
+        sow(v, name='count', reduce_fn=lambda a, v: a + 1,
+            init_fn=lambda: jnp.int32(0))
+        return i + 1, v
+
+      z = jax.lax.while_loop(
+          lambda c: c[0] < 2, body, (0, jax.lax.stop_gradient(y))
+      )[1]
+      return y + jax.lax.stop_gradient(z - y)
+
+    def f(x, p):
+      return jnp.sum(jax.lax.cond(p > 0, branch, lambda x: x, x))
+
+    x, p = jnp.array([0.3, -0.8]), jnp.float32(0.6)
+    # By hand: init 3 (the custom body's site comes first), + 2, + 1 + 1.
+    for g in (f, jax.grad(f), jax.jit(jax.grad(f)), jax.value_and_grad(f)):
+      _, collected = capture(g)(x, p)
+      self.assertEqual(int(collected['count']), 7)
+    np.testing.assert_allclose(
+        capture(jax.grad(f))(x, p)[0], [2.0, 2.0], rtol=1e-6
+    )

@@ -633,18 +633,39 @@ class Collector:
 
   # -- sub-jaxprs ---------------------------------------------------------
 
-  def reduced_specs(self, jaxprs) -> tuple[ReducedSpec, ...]:
+  def reduced_specs(
+      self, jaxprs, *, branches: bool = False
+  ) -> tuple[ReducedSpec, ...]:
     """Specs of the reduced names sown in ``jaxprs``; creates accumulators.
 
     A name not yet reduced in this scope starts from the ``init_fn()`` of
-    its first site in ``jaxprs``.
+    its first site in ``jaxprs``. With ``branches`` (the branches of a
+    ``cond``), of the first sites of the name in each branch, the one traced
+    first: ``true_fun``'s for ``lax.cond``, which JAX traces first (and
+    stores second), branch 0's for ``lax.switch``.
     """
-    return self.reduced_specs_of(self.accepted_sites(jaxprs))
+    if not branches:
+      return self.reduced_specs_of(self.accepted_sites(jaxprs))
+    first: dict[Name, SowSite] = {}
+    for branch in jaxprs:
+      seen = set()
+      for site in self.accepted_sites([branch]):
+        if site.reduction is None or site.name in seen:
+          continue
+        seen.add(site.name)
+        best = first.get(site.name)
+        if best is None or site.reduction.traced < best.reduction.traced:
+          first[site.name] = site
+    return self.reduced_specs_of(self.accepted_sites(jaxprs), first)
 
   def reduced_specs_of(
-      self, sites: tp.Sequence[SowSite]
+      self,
+      sites: tp.Sequence[SowSite],
+      first: tp.Mapping[Name, SowSite] | None = None,
   ) -> tuple[ReducedSpec, ...]:
-    """:meth:`reduced_specs` for sites found by the caller."""
+    """:meth:`reduced_specs` for sites found by the caller; ``first`` may
+    say which site of a name starts its accumulator (by default the first
+    in ``sites``)."""
     sites = [s for s in sites if s.kind not in MARKER_KINDS]
     # A name sown inside a shard_map is kept per shard over the union of
     # the axes its sites vary over.
@@ -666,16 +687,10 @@ class Collector:
       ):
         raise _sharded_error(site.name, site.where)
       sharded[site.name] = both
-    # A new accumulator starts from the init_fn() of the name's site traced
-    # first (the same as the first in program order, except across the
-    # branches of a cond: true_fun's, the branch written first).
-    first: dict[Name, SowSite] = {}
+    first = dict(first or {})
     for site in sites:
-      if site.reduction is not None and (
-          site.name not in first
-          or site.reduction.traced < first[site.name].reduction.traced
-      ):
-        first[site.name] = site
+      if site.reduction is not None:
+        first.setdefault(site.name, site)
     specs: dict[Name, ReducedSpec] = {}
     for site in sites:
       if site.reduction is None:

@@ -509,7 +509,9 @@ def _cond_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
   # An index that varies over mesh axes (inside shard_map) picks a branch
   # per shard, so what the branches sow varies over them too.
   axes = _jax.varying_axes(_jax.typeof(invals[0]))
-  specs = collector.vary_accumulators(collector.reduced_specs(branches), axes)
+  specs = collector.vary_accumulators(
+      collector.reduced_specs(branches, branches=True), axes
+  )
   acc_in = collector.accumulator_leaves(specs)
   n_out = len(eqn.outvars)
   # A perturb's forward marker returns nothing; one branch may hold it and

@@ -80,7 +80,9 @@ class Reduction:
   # When the site was traced, among all reduced sows (a growing number):
   # where several branches of a ``cond`` hold a name's first sites, the one
   # traced first (``true_fun`` of ``lax.cond``, which JAX traces first,
-  # branch 0 of ``lax.switch``) gives the accumulator its ``init_fn()``.
+  # branch 0 of ``lax.switch``) gives the accumulator its ``init_fn()``
+  # (``Collector.reduced_specs``). Elsewhere program order decides: a site
+  # traced again (a custom rule staged twice) gets a new number.
   traced: int = dataclasses.field(
       default_factory=lambda: next(_TRACED), repr=False
   )

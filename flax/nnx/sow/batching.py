@@ -364,7 +364,6 @@ def _sow_reduced_again(sites, index, values, dims, axis_size) -> None:
             original.init_fn,
             snapshot,
             original.fixed_type,
-            original.traced,
         ),
         kind=p['kind'],
         batch_dims=batch_dims,

@@ -640,22 +640,23 @@ class Collector:
 
     A name not yet reduced in this scope starts from the ``init_fn()`` of
     its first site in ``jaxprs``. With ``branches`` (the branches of a
-    ``cond``), of the first sites of the name in each branch, the one traced
-    first: ``true_fun``'s for ``lax.cond``, which JAX traces first (and
-    stores second), branch 0's for ``lax.switch``.
+    ``cond``), the branch written first gives it: ``true_fun`` of
+    ``lax.cond`` (which JAX stores second), branch 0 of ``lax.switch`` with
+    three or more branches; a two-branch ``lax.switch`` is staged as a
+    ``lax.cond`` is, so its branch 1 comes first. (By branch position, so
+    that JAX's transforms, which keep the branches in place, do not change
+    it.)
     """
+    jaxprs = list(jaxprs)
     if not branches:
       return self.reduced_specs_of(self.accepted_sites(jaxprs))
+    # JAX stores lax.cond's branches as (false_fun, true_fun): the branch
+    # written first, true_fun, comes first here.
+    order = jaxprs[::-1] if len(jaxprs) == 2 else jaxprs
     first: dict[Name, SowSite] = {}
-    for branch in jaxprs:
-      seen = set()
-      for site in self.accepted_sites([branch]):
-        if site.reduction is None or site.name in seen:
-          continue
-        seen.add(site.name)
-        best = first.get(site.name)
-        if best is None or site.reduction.traced < best.reduction.traced:
-          first[site.name] = site
+    for site in self.accepted_sites(order):
+      if site.reduction is not None:
+        first.setdefault(site.name, site)
     return self.reduced_specs_of(self.accepted_sites(jaxprs), first)
 
   def reduced_specs_of(

@@ -31,7 +31,6 @@ It also owns the accumulator's type: a weakly typed leaf of ``init_fn()``
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import typing as tp
 
 import jax
@@ -66,7 +65,6 @@ class Reduction:
   objects, e.g. lambdas written inline. Compared by identity. ``snapshot``
   is set for a sow staged inside a capture (see the module docstring).
 
-  ``traced`` numbers the sites in the order they were traced.
   ``fixed_type``: the accumulator keeps its structure, shape and dtype at
   every fold (the functional ``sow``). ``False`` (``Module.sow``, as in Flax)
   lets a fold change it where the fold runs in Python, not carried by a
@@ -77,18 +75,6 @@ class Reduction:
   init_fn: tp.Callable[[], tp.Any]
   snapshot: Snapshot | None = None
   fixed_type: bool = dataclasses.field(default=True, repr=False)
-  # When the site was traced, among all reduced sows (a growing number):
-  # where several branches of a ``cond`` hold a name's first sites, the one
-  # traced first (``true_fun`` of ``lax.cond``, which JAX traces first,
-  # branch 0 of ``lax.switch``) gives the accumulator its ``init_fn()``
-  # (``Collector.reduced_specs``). Elsewhere program order decides: a site
-  # traced again (a custom rule staged twice) gets a new number.
-  traced: int = dataclasses.field(
-      default_factory=lambda: next(_TRACED), repr=False
-  )
-
-
-_TRACED = itertools.count()
 
 
 _jax.weak_cache_key(Reduction)

@@ -60,11 +60,12 @@ def _holds_remat_opt(jaxpr: _jax.Jaxpr) -> bool:
   )
 
 
-def _stage(fn, avals, name) -> _jax.ClosedJaxpr:
-  """``fn`` staged at ``avals``; the auxiliary outputs it records are
-  forgotten, so that JAX can call it again."""
-  closed = _jax.trace_to_closed_jaxpr(fn.call_wrapped, avals, name)
-  _jax.reset_stores(fn)
+def _stage(call, fun, avals, name) -> _jax.ClosedJaxpr:
+  """``call`` (which calls the ``lu.WrappedFun`` ``fun``) staged at
+  ``avals``; the auxiliary outputs ``fun`` records are forgotten, so that
+  JAX can call it again."""
+  closed = _jax.trace_to_closed_jaxpr(call, avals, name)
+  _jax.reset_stores(fun)
   return closed
 
 
@@ -77,7 +78,7 @@ def _rule(primitive, trace, args, params) -> _jax.ClosedJaxpr:
   rule = params['subfuns'][1]
   if primitive is _jax.custom_jvp_call_p:
     tangents = [a.to_tangent_aval() for a in avals]
-    return _stage(rule, [*avals, *tangents], 'custom_jvp_rule')
+    return _stage(rule.call_wrapped, rule, [*avals, *tangents], 'custom_jvp')
   flags = [type(t) is not _jax.Zero for _, t in pairs]
 
   def fwd(*primals):
@@ -85,9 +86,7 @@ def _rule(primitive, trace, args, params) -> _jax.ClosedJaxpr:
         *[v for p, nz in zip(primals, flags) for v in (p, nz)]
     )
 
-  closed = _jax.trace_to_closed_jaxpr(fwd, avals, 'custom_vjp_fwd')
-  _jax.reset_stores(rule)
-  return closed
+  return _stage(fwd, rule, avals, 'custom_vjp_fwd')
 
 
 def _differentiated_custom_call(
@@ -100,7 +99,9 @@ def _differentiated_custom_call(
   fun = params['subfuns'][0]
   primals = [_jax.primal_of(trace, x) for x in args]
   with _jax.set_current_trace(trace.parent_trace):
-    body = _stage(fun, [_jax.typeof(x) for x in primals], 'custom_primal')
+    body = _stage(
+        fun.call_wrapped, fun, [_jax.typeof(x) for x in primals], 'primal'
+    )
     names = _value_sow_names(body)
     if names:
       rule = _rule(primitive, trace, args, params)

@@ -581,11 +581,15 @@ def _route(levels, tag):
   return None
 
 
-def _sites(body, levels):
+def _sites(body, levels, init_order=False):
   """Every sow site as (level, kind, name, site), in program order.
 
   ``kind`` is 'plain', 'red' or 'pert'; sites collected by an inner capture
-  are replaced by the plain sow of what it collected.
+  are replaced by the plain sow of what it collected. ``init_order``: the
+  order in which sites give a reduced name its init_fn, where the branches
+  of a two-branch switch come last first (JAX stages it as it stages
+  ``lax.cond(pred, true_fun, false_fun)``, whose ``true_fun``, written first,
+  gives the init_fn; docs/guide.md, *Reductions*).
   """
   out = []
   for node in body:
@@ -597,19 +601,22 @@ def _sites(body, levels):
     elif kind == 'perturb':
       out.append((_route(levels, node[2]), 'pert', node[1], None))
     elif kind == 'cond':
-      for b in node[1]:
-        out += _sites(b, levels)
+      branches = node[1]
+      if init_order and len(branches) == 2:
+        branches = branches[::-1]
+      for b in branches:
+        out += _sites(b, levels, init_order)
         for name, _, tag in node[2]:
           out.append((_route(levels, tag), 'plain', name, None))
     elif kind == 'inner':
       inner_levels = levels + (_accepts(node[2]),)
-      sub = _sites(node[1], inner_levels)
+      sub = _sites(node[1], inner_levels, init_order)
       out += [s for s in sub if s[0] != len(levels)]
       out.append(
           (_route(levels, None), 'plain', _inner_name(node, sub, levels), None)
       )
     elif kind != 'op':
-      out += _sites(node[1], levels)
+      out += _sites(node[1], levels, init_order)
   return out
 
 
@@ -879,7 +886,7 @@ def _node_explicit(node, x, p, accs, cx):
     levels = cx.levels + (_accepts(tags),)
     level = len(cx.levels)
     sub = _sites(body, levels)
-    inits = _first_inits(sub, level)
+    inits = _first_inits(_sites(body, levels, init_order=True), level)
     accs_in = {**accs, **{(level, n): v for n, v in inits.items()}}
     x, accs_out, log = _run_explicit(
         body, x, p, accs_in, cx._replace(levels=levels)
@@ -1092,7 +1099,8 @@ class Explicit:
     self.meta = []
 
   def fn(self, x, p, eps=None):
-    accs = {(0, n): v for n, v in _first_inits(self.sites, 0).items()}
+    inits = _first_inits(_sites(self.program, self.levels, True), 0)
+    accs = {(0, n): v for n, v in inits.items()}
     cx = Cx(self.levels, None, 0, _Stream(eps))
     cx = cx._replace(q=_initial_env(x).q)
     x, accs, log = _run_explicit(self.program, x, p, accs, cx)

@@ -179,6 +179,33 @@ def sow_sites(jaxpr: _jax.Jaxpr) -> tuple[SowSite, ...]:
   return result
 
 
+def init_order_sites(jaxpr: _jax.Jaxpr) -> list[SowSite]:
+  """The reduced sows of ``jaxpr`` in the order in which they give a name
+  its ``init_fn()``: program order, except that the two branches of a
+  ``cond`` come last first. JAX stores ``lax.cond(pred, true_fun,
+  false_fun)``'s branches as ``(false_fun, true_fun)``; ``true_fun``, written
+  first, comes first (a two-branch ``lax.switch`` is staged the same way).
+  By position, so that JAX's transforms, which keep branches in place, do
+  not change it."""
+  sites = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive is sow_p:
+      p = eqn.params
+      if p['reduction'] is not None and not p['remat_copy']:
+        sites.append(
+            SowSite(p['name'], p['tag'], p['reduction'], p['kind'], eqn)
+        )
+      continue
+    subs = list(_jax.jaxprs_in_params(eqn.params))
+    if eqn.primitive is _jax.cond_p and len(subs) == 2:
+      subs = subs[::-1]
+    annotate = site_annotations.get(eqn.primitive)
+    for sub in subs:
+      for site in init_order_sites(sub):
+        sites.append(site if annotate is None else annotate(eqn, site))
+  return sites
+
+
 def as_jaxpr(j: _jax.Jaxpr | _jax.ClosedJaxpr) -> _jax.Jaxpr:
   return j.jaxpr if isinstance(j, _jax.ClosedJaxpr) else j
 
@@ -639,24 +666,17 @@ class Collector:
     """Specs of the reduced names sown in ``jaxprs``; creates accumulators.
 
     A name not yet reduced in this scope starts from the ``init_fn()`` of
-    its first site in ``jaxprs``. With ``branches`` (the branches of a
-    ``cond``), the branch written first gives it: ``true_fun`` of
-    ``lax.cond`` (which JAX stores second), branch 0 of ``lax.switch`` with
-    three or more branches; a two-branch ``lax.switch`` is staged as a
-    ``lax.cond`` is, so its branch 1 comes first. (By branch position, so
-    that JAX's transforms, which keep the branches in place, do not change
-    it.)
+    its first site in ``jaxprs`` in :func:`init_order_sites`'s order;
+    ``branches``: ``jaxprs`` are the branches of a ``cond`` (two of them:
+    the second first).
     """
     jaxprs = list(jaxprs)
-    if not branches:
-      return self.reduced_specs_of(self.accepted_sites(jaxprs))
-    # JAX stores lax.cond's branches as (false_fun, true_fun): the branch
-    # written first, true_fun, comes first here.
-    order = jaxprs[::-1] if len(jaxprs) == 2 else jaxprs
+    order = jaxprs[::-1] if branches and len(jaxprs) == 2 else jaxprs
     first: dict[Name, SowSite] = {}
-    for site in self.accepted_sites(order):
-      if site.reduction is not None:
-        first.setdefault(site.name, site)
+    for j in order:
+      for site in init_order_sites(as_jaxpr(j)):
+        if self.accepts(site.tag, site.reduction, site.kind, site.name):
+          first.setdefault(site.name, site)
     return self.reduced_specs_of(self.accepted_sites(jaxprs), first)
 
   def reduced_specs_of(

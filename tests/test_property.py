@@ -1438,6 +1438,10 @@ class PropertyTest(parameterized.TestCase):
     if outer == 'grad':
       for kind in ('cvmap', 'remat_opt'):
         hypothesis.assume(not _under_ad_node(program, kind))
+      # A perturb in a function differentiated inside one the test
+      # differentiates again: which pass's cotangent is collected is not
+      # specified (docs/guide.md, perturb).
+      hypothesis.assume(not _under_ad_node(program, 'perturb'))
     x, p = jnp.asarray(X0), jnp.asarray(P0)
     f = _sown_program(program)
     explicit = Explicit(program, tags)

@@ -46,6 +46,7 @@ import typing as tp
 
 from flax.nnx.sow import _jax
 from flax.nnx.sow import _jax_patches
+from flax.nnx.sow.collect import sow_sites
 from flax.nnx.sow.primitive import HIDDEN
 from flax.nnx.sow.primitive import sow_effect
 from flax.nnx.sow.primitive import sow_p
@@ -347,15 +348,10 @@ def _known_body(tracers, params) -> _jax.ClosedJaxpr | None:
 
 
 def _staged_sow_names(jaxpr: _jax.Jaxpr) -> collections.Counter:
-  names = collections.Counter()
-  for eqn in jaxpr.eqns:
-    if eqn.primitive is sow_p:
-      if eqn.params['effect'] and not eqn.params['remat_copy']:
-        names[eqn.params['name']] += 1
-    else:
-      for j in _jax.jaxprs_in_params(eqn.params):
-        names.update(_staged_sow_names(j))
-  return names
+  """How many staged (collectible) sows of each name ``jaxpr`` holds."""
+  return collections.Counter(
+      s.name for s in sow_sites(jaxpr) if s.eqn.params['effect']
+  )
 
 
 def _while_partial_eval(jax_rule, trace, *tracers, **params):

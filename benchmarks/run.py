@@ -741,7 +741,7 @@ def reduce_memory(cfg: Config) -> list[Result]:
 
 
 def _nnx_shims():
-  from flax.nnx.sow import nnx_shims  # pylint: disable=g-import-not-at-top
+  from flax.nnx.sow.nnx import shims as nnx_shims  # pylint: disable=g-import-not-at-top
   return nnx_shims
 
 

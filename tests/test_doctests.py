@@ -24,8 +24,8 @@ from absl.testing import parameterized
 import flax.nnx.sow
 
 _MODULES = sorted(
-    f'flax.nnx.sow.{m.name}'
-    for m in pkgutil.iter_modules(flax.nnx.sow.__path__)
+    m.name
+    for m in pkgutil.walk_packages(flax.nnx.sow.__path__, 'flax.nnx.sow.')
 )
 
 

@@ -20,8 +20,9 @@
 * Only ``_jax_patches.py`` replaces JAX objects: no other file assigns to an
   attribute of something it imported from JAX or from ``_jax`` (``setattr``
   included).
-* The NNX files are the only ones that import ``flax.nnx``, and the modules
-  the functional core is made of never import them directly.
+* The NNX layer (the subpackage ``nnx/``) is the only part that imports
+  ``flax.nnx``, and no file outside it imports it (the package's
+  ``__init__`` installs it).
 """
 
 import ast
@@ -32,34 +33,23 @@ from absl.testing import absltest
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / 'flax/nnx/sow'
 PREFIX = 'flax.nnx.sow'
 
-# The NNX layer (the only files that import flax.nnx).
-NNX_FILES = frozenset({'graph', 'paths', 'nnx_shims', 'state'})
-# The core file that still reaches into NNX: intervene accepts an nnx.State
-# as ``values`` (a converter the NNX layer could register instead). Capture
-# and intervene calls reach the NNX layer only through ``collect.call_hooks``.
-NNX_EDGES_TO_REMOVE = frozenset({'intervene'})
-# Functional-core modules that must not import the NNX layer directly.
-CORE_FILES = frozenset({
-    'primitive',
-    'perturb',
-    'reductions',
-    'collect',
-    'capture',
-    'toplevel',
-    'rules',
-    'loops',
-    'control',
-    'batching',
-    'sharding',
-    'invariance',
-    'custom_primal',
-    '_jax',
-    '_jax_patches',
-})
+NNX_LAYER = 'nnx'
+
+
+def _in_nnx_layer(module: str) -> bool:
+  return module == NNX_LAYER or module.startswith(NNX_LAYER + '.')
 
 
 def _modules():
-  return {p.stem: ast.parse(p.read_text()) for p in PACKAGE.glob('*.py')}
+  """Every file of the package by dotted name (``nnx.scope``; a package's
+  ``__init__.py`` by the package's name, the top one as ``__init__``)."""
+  modules = {}
+  for p in PACKAGE.rglob('*.py'):
+    parts = p.relative_to(PACKAGE).with_suffix('').parts
+    if parts[-1] == '__init__' and len(parts) > 1:
+      parts = parts[:-1]
+    modules['.'.join(parts)] = ast.parse(p.read_text())
+  return modules
 
 
 def _imported(tree) -> list[str]:
@@ -75,11 +65,18 @@ def _imported(tree) -> list[str]:
   return names
 
 
-def _package_imports(tree) -> set[str]:
+def _package_imports(tree, modules) -> set[str]:
+  """The package's modules a file imports (``from flax.nnx.sow.nnx import
+  scope`` gives ``nnx.scope``; a function imported from a module gives the
+  module)."""
   own = set()
   for name in _imported(tree):
     if name.startswith(PREFIX + '.'):
-      own.add(name[len(PREFIX) + 1 :].split('.')[0])
+      rest = name[len(PREFIX) + 1 :]
+      while rest and rest not in modules:
+        rest = rest.rpartition('.')[0]
+      if rest:
+        own.add(rest)
   return own
 
 
@@ -87,7 +84,7 @@ class LayeringTest(absltest.TestCase):
 
   def test_no_import_cycles(self):
     modules = _modules()
-    graph = {m: _package_imports(t) & set(modules) for m, t in modules.items()}
+    graph = {m: _package_imports(t, modules) for m, t in modules.items()}
     graph.pop('__init__', None)
     for deps in graph.values():
       deps.discard('__init__')
@@ -156,19 +153,36 @@ class LayeringTest(absltest.TestCase):
           self.fail(f'{name}.py:{node.lineno} calls setattr on a JAX object')
 
   def test_flax_nnx_only_in_the_nnx_layer(self):
-    for name, tree in _modules().items():
-      imported = _imported(tree)
-      if name not in NNX_FILES | NNX_EDGES_TO_REMOVE and name != '__init__':
-        bad = [
-            n
-            for n in imported
-            if (n == 'flax.nnx' or n.startswith('flax.nnx.'))
-            and not n.startswith(PREFIX)
-        ]
-        self.assertEmpty(bad, f'{name}.py imports {bad} (NNX layer only)')
-      if name in CORE_FILES:
-        nnx = sorted(_package_imports(tree) & NNX_FILES)
-        self.assertEmpty(nnx, f'core file {name}.py imports NNX layer {nnx}')
+    modules = _modules()
+    for name, tree in modules.items():
+      if _in_nnx_layer(name):
+        continue
+      bad = [
+          n
+          for n in _imported(tree)
+          if (n == 'flax.nnx' or n.startswith('flax.nnx.'))
+          and not n.startswith(PREFIX)
+      ]
+      self.assertEmpty(bad, f'{name}.py imports {bad} (NNX layer only)')
+      if name == '__init__':
+        continue
+      nnx = sorted(m for m in _package_imports(tree, modules) if _in_nnx_layer(m))
+      self.assertEmpty(nnx, f'core file {name}.py imports NNX layer {nnx}')
+
+  def test_the_nnx_layer_is_a_subpackage(self):
+    modules = _modules()
+    self.assertIn(NNX_LAYER, modules)
+    nnx_files = sorted(m for m in modules if _in_nnx_layer(m))
+    self.assertContainsSubset(
+        ['nnx.calls', 'nnx.scope', 'nnx.shims', 'nnx.state'], nnx_files
+    )
+    # Every file that imports flax.nnx lives in it.
+    for name, tree in modules.items():
+      if any(
+          n == 'flax.nnx' or (n.startswith('flax.nnx.') and not n.startswith(PREFIX))
+          for n in _imported(tree)
+      ):
+        self.assertTrue(_in_nnx_layer(name), name)
 
 
 if __name__ == '__main__':

@@ -12,7 +12,7 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""How ``Module.sow`` is named inside a capture (``paths.py``).
+"""How ``Module.sow`` is named inside a capture (``nnx/scope.py``).
 
 A module's sow is named by its path from a root the capture knows: a module
 among the arguments or one the captured function refers to, a copy an NNX
@@ -37,8 +37,8 @@ import numpy as np
 
 import flax.nnx.sow  # noqa: F401  (installs the shims)
 from flax.nnx.sow import capture
-from flax.nnx.sow import nnx_shims
-from flax.nnx.sow import paths
+from flax.nnx.sow.nnx import shims as nnx_shims
+from flax.nnx.sow.nnx import scope as paths
 
 nnx_shims.install()
 

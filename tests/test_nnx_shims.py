@@ -36,9 +36,9 @@ import numpy as np
 
 import flax.nnx.sow  # noqa: F401  (installs the shims)
 from flax.nnx.sow import capture
-from flax.nnx.sow import nnx_shims
+from flax.nnx.sow.nnx import shims as nnx_shims
 from flax.nnx.sow import sow
-from flax.nnx.sow import state as state_lib
+from flax.nnx.sow.nnx import state as state_lib
 
 nnx_shims.install()
 

@@ -29,10 +29,10 @@ from flax.nnx.sow import batching as _batching  # hoists sows under vmap
 from flax.nnx.sow import custom_primal as _custom_primal  # custom rules, AD
 from flax.nnx.sow import invariance as _invariance  # loop-invariant sows
 from flax.nnx.sow import loops as _loops  # registers the loop rules
-from flax.nnx.sow import nnx_shims
+from flax.nnx.sow.nnx import shims as nnx_shims
 from flax.nnx.sow import rules as _rules  # registers the call-like rules
 from flax.nnx.sow import sharding as _sharding  # shard_map and pmap
-from flax.nnx.sow import state
+from flax.nnx.sow.nnx import state
 from flax.nnx.sow.capture import Collected
 from flax.nnx.sow.capture import capture
 from flax.nnx.sow.capture import collect_rules
@@ -40,9 +40,9 @@ from flax.nnx.sow.intervene import intervene
 from flax.nnx.sow.perturb import perturb
 from flax.nnx.sow.primitive import sow
 from flax.nnx.sow.primitive import sow_p
-from flax.nnx.sow.state import collected_to_state
-from flax.nnx.sow.state import flatten_names
-from flax.nnx.sow.state import state_to_collected
+from flax.nnx.sow.nnx.state import collected_to_state
+from flax.nnx.sow.nnx.state import flatten_names
+from flax.nnx.sow.nnx.state import state_to_collected
 
 _jax_patches.install()  # every JAX patch, in the inventory's order
 nnx_shims.install()

@@ -19,7 +19,7 @@ sows ``f`` binds and hands each higher-order primitive whose sub-jaxprs hold
 accepted sows, staged alone, to the generic loop of ``collect.py``. This
 file owns the transform's arguments (``tags``, ``names``), the eager
 ``jax.jit`` fast path, the call of ``f`` with its NNX graph nodes
-(``graph.py``), and :func:`stage`, which ``intervene`` uses. The names of
+(``nnx/calls.py``), and :func:`stage`, which ``intervene`` uses. The names of
 ``collect.py`` are re-exported here, where rules and tests have found them.
 """
 

@@ -75,13 +75,13 @@ call_hooks: list[CallHook] = []
 changed back, e.g. objects restored). ``tags`` are the tags the capture
 accepts (``None``: all); ``in_place`` says whether ``run`` calls ``f`` on the
 caller's trace (a capture) or stages it (``intervene``). The NNX layer
-registers one (``graph.py``: the path scope for ``Module.sow``, NNX graph
+registers one (``nnx/calls.py``: the path scope for ``Module.sow``, NNX graph
 nodes among the arguments); the functional core knows nothing of NNX.
 """
 
 opaque_leaf_checks: list[tp.Callable[[tp.Any], bool]] = []
 """Predicates for objects a capture must not flatten as pytrees (NNX graph
-nodes, registered by ``graph.py``)."""
+nodes, registered by ``nnx/calls.py``)."""
 
 
 def is_opaque_leaf(x) -> bool:

@@ -832,20 +832,20 @@ def _normalize(values) -> dict[Name, tp.Any]:
   return out
 
 
-def _state_to_values(values):
-  """A path-keyed ``nnx.State`` (as ``nnx.capture`` returns) as values."""
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-  from flax.nnx.sow import state as state_lib  # pylint: disable=g-import-not-at-top
+values_converters: list[tp.Callable[[tp.Any], tp.Any]] = []
+"""Converters of other forms of ``values`` to a name-keyed mapping.
 
-  if isinstance(values, nnx.State):
-    # Module.sow names are paths, also one-element ones. An Intermediate
-    # holds a tuple of values (capture's layout); a Perturbation holds one
-    # value, the replacement of the one perturb of its path.
-    out = {}
-    for k, v in state_lib.state_to_collected(values).items():
-      name = (k,) if isinstance(k, str) else k
-      out[name] = v if isinstance(v, tuple) or callable(v) else (v,)
-    return out
+``convert(values) -> mapping | None``: the first that returns a mapping wins.
+The NNX layer registers one for the path-keyed ``nnx.State`` that
+``nnx.capture`` returns (``nnx/state.py``); the core knows nothing of NNX.
+"""
+
+
+def _converted(values):
+  for convert in values_converters:
+    out = convert(values)
+    if out is not None:
+      return out
   return values
 
 
@@ -925,7 +925,7 @@ def intervene(
     # functools.wraps decorator, jax.jit): intervene on it as it is.
     inner = None
   if inner is None:
-    values = _normalize(_state_to_values(values))
+    values = _normalize(_converted(values))
   else:
     # intervene(capture(g), v) is capture(intervene(g, v)): the capture
     # collects the replaced values.

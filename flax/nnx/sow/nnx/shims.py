@@ -24,16 +24,16 @@ core (``sow``, ``perturb``, ``capture``):
 * ``nnx.capture(fn, *var_types, init=None, method_outputs=None)`` stages
   ``fn`` with ``capture`` and returns Flax's ``(result, State)``.
 
-A module learns its path from the innermost active capture (``paths.py``);
+A module learns its path from the innermost active capture (``scope.py``);
 graph nodes among the arguments are handled as ``nnx.jit`` does
-(``graph.py``). No attribute is set on any module, and nothing is kept from
+(``calls.py``). No attribute is set on any module, and nothing is kept from
 one call to the next: the State is built from what the capture returns.
 ``nnx.capture(fn, T1, T2, ...)`` nests one functional capture per Variable
 type (``tags`` that type), so a name sown as ``Intermediate`` and perturbed
 as ``Perturbation`` lands in two captures and two States, as in Flax.
 
 :func:`install` patches Flax (``Module.sow``, ``Module.perturb``,
-``nnx.capture``, and the split/merge hooks of ``paths.py``);
+``nnx.capture``, and the split/merge hooks of ``scope.py``);
 :func:`uninstall` restores the originals. Both are
 idempotent. Every use of a Flax internal is in the block below.
 """
@@ -58,14 +58,14 @@ from flax.nnx import graphlib as _graphlib
 from flax.nnx import module as _module_lib
 from flax.nnx import variablelib as _variablelib
 
-from flax.nnx.sow import state as state_lib
+from flax.nnx.sow.nnx import state as state_lib
 from flax.nnx.sow.capture import stage_and_collect
-from flax.nnx.sow.graph import functional_graph_call
-from flax.nnx.sow import paths as paths_lib
-from flax.nnx.sow.paths import LOCAL
-from flax.nnx.sow.paths import Path
-from flax.nnx.sow.paths import Scope
-from flax.nnx.sow.paths import SharedPathError
+from flax.nnx.sow.nnx.calls import functional_graph_call
+from flax.nnx.sow.nnx import scope as scope_lib
+from flax.nnx.sow.nnx.scope import LOCAL
+from flax.nnx.sow.nnx.scope import Path
+from flax.nnx.sow.nnx.scope import Scope
+from flax.nnx.sow.nnx.scope import SharedPathError
 from flax.nnx.sow.perturb import perturb as _core_perturb
 from flax.nnx.sow.primitive import sow as _core_sow
 from flax.nnx.sow.primitive import sow_site
@@ -225,7 +225,7 @@ def _locate(self, variable_type, name, what: str):
   """``paths.locate``, raising naming the sow where two modules would share
   its path."""
   try:
-    return paths_lib.locate(self, variable_type)
+    return scope_lib.locate(self, variable_type)
   except SharedPathError as e:
     raise ValueError(
         f'{_where(self, variable_type, name, what)}: the module would be'
@@ -270,7 +270,7 @@ def module_sow(
   scalar ``init_fn``, a tuple that grows) where the fold runs once per sow in
   Python: at the capture's top level and in ``jax.jit``/``nnx.jit`` bodies;
   inside a loop, branch or ``vmap`` the type is fixed (``ValueError`` naming
-  the sow). The module's path comes from ``paths.py``: a module among the
+  the sow). The module's path comes from ``scope.py``: a module among the
   capture's arguments or referred to by the captured function, one inside
   them, a copy an NNX transform or ``nnx.merge`` made of one, or an object
   ``nnx.merge`` built from a graphdef split before the capture. Outside any
@@ -369,7 +369,7 @@ def _method_output_wrapper(method_name: str, method):
   def wrapper(self, *args, **kwargs):
     result = method(self, *args, **kwargs)
     try:
-      found = paths_lib.innermost_naming(
+      found = scope_lib.innermost_naming(
           self, [s for s in reversed(LOCAL.scopes) if s.method_outputs]
       )
     except SharedPathError as e:
@@ -666,7 +666,7 @@ def install() -> None:
     _module_lib.Module.perturb = module_perturb
     _module_lib.capture = capture
     nnx.capture = capture
-    paths_lib.install_hooks()
+    scope_lib.install_hooks()
 
 
 def uninstall() -> None:
@@ -679,4 +679,4 @@ def uninstall() -> None:
     _module_lib.Module.perturb = _ORIGINAL_PERTURB
     _module_lib.capture = _ORIGINAL_CAPTURE
     nnx.capture = _ORIGINAL_CAPTURE
-    paths_lib.uninstall_hooks()
+    scope_lib.uninstall_hooks()

@@ -54,7 +54,7 @@ Facts 1-3 are :data:`EXACT`, 4 :data:`MERGED`. A sow is named by the
 innermost scope that accepts it and names the module (:func:`locate`). A
 module that no scope names (one created inside the call, or a copy a plain
 JAX transform made of a Module pytree) makes ``Module.sow`` raise
-(``nnx_shims.py``). Nothing is kept from one call to the next, and no
+(``shims.py``). Nothing is kept from one call to the next, and no
 attribute is set on any module. The four Flax functions are wrapped once
 (:func:`install_hooks`, idempotent, thread-safe); outside a capture the
 wrappers only check that the thread has no active scope.

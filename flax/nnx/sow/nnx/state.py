@@ -20,7 +20,7 @@ path such as ``('blocks', 0, 'act')``. Flax's ``nnx.capture`` returns an
 ``nnx.State`` nested by module path whose leaves are Variables (for example
 ``{'blocks': {0: {'act': Intermediate((y,))}}}``). This file owns the mapping
 between the two, so code written against either form can read the other; the
-NNX shims (``nnx_shims.py``) build their ``State`` with it.
+NNX shims (``shims.py``) build their ``State`` with it.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import typing as tp
 
 from flax import nnx
 
+from flax.nnx.sow.intervene import values_converters
 from flax.nnx.sow import primitive
 from flax.nnx.sow.capture import Collected
 
@@ -88,7 +89,7 @@ def collected_to_state(
 
   >>> import jax.numpy as jnp
   >>> from flax import nnx
-  >>> from flax.nnx.sow.state import collected_to_state
+  >>> from flax.nnx.sow.nnx.state import collected_to_state
   >>> state = collected_to_state({('blocks', 0, 'act'): (jnp.ones(2),),
   ...                             'head': (jnp.zeros(()),)})
   >>> state['blocks'][0]['act'][0].shape
@@ -161,7 +162,7 @@ def state_to_collected(
 
   >>> import jax.numpy as jnp
   >>> from flax import nnx
-  >>> from flax.nnx.sow.state import state_to_collected
+  >>> from flax.nnx.sow.nnx.state import state_to_collected
   >>> state = nnx.State({'blocks': {0: {'act': nnx.Intermediate((1.0,))}}})
   >>> state_to_collected(state)
   {('blocks', 0, 'act'): (1.0,)}
@@ -217,7 +218,7 @@ def flatten_names(
   so it can run inside ``jax.jit``; the result keeps the key order.
 
   >>> import jax.numpy as jnp
-  >>> from flax.nnx.sow.state import flatten_names
+  >>> from flax.nnx.sow.nnx.state import flatten_names
   >>> flatten_names({('blocks', 0, 'act'): (jnp.ones(2),), 'loss': 1.0})
   {'blocks/0/act': (Array([1., 1.], dtype=float32),), 'loss': 1.0}
 
@@ -257,3 +258,21 @@ def flatten_names(
     if name in marked:
       out.cotangents = out.cotangents | {key}
   return out
+
+
+def _state_as_values(values):
+  """A path-keyed ``nnx.State`` (as ``nnx.capture`` returns) as the
+  ``values`` of ``intervene``; ``None`` for anything else."""
+  if not isinstance(values, nnx.State):
+    return None
+  # Module.sow names are paths, also one-element ones. An Intermediate holds
+  # a tuple of values (capture's layout); a Perturbation holds one value, the
+  # replacement of the one perturb of its path.
+  out = {}
+  for k, v in state_to_collected(values).items():
+    name = (k,) if isinstance(k, str) else k
+    out[name] = v if isinstance(v, tuple) or callable(v) else (v,)
+  return out
+
+
+values_converters.append(_state_as_values)

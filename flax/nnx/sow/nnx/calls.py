@@ -23,7 +23,7 @@ place, as it would without the capture. ``intervene`` stages ``f``, and
 around ``jax.jit``: split the nodes into their state outside, merge them into
 fresh objects inside, and write the updates into the caller's objects
 afterwards, for plain, ref and Hijax Variables. Every call, with graph nodes
-among its arguments or not, runs with a path scope (``paths.py``) active, so a ``Module.sow`` inside it is named by the
+among its arguments or not, runs with a path scope (``scope.py``) active, so a ``Module.sow`` inside it is named by the
 module's path: from the argument it belongs to, from a module ``f`` refers
 to, or from an object ``f`` builds with ``nnx.merge``.
 """
@@ -39,13 +39,13 @@ import numpy as np
 from flax import nnx
 
 from flax.nnx.sow import collect
-from flax.nnx.sow.paths import ActiveScope
-from flax.nnx.sow.paths import Scope
-from flax.nnx.sow.paths import is_graph_leaf
-from flax.nnx.sow.paths import is_graph_node as _is_graph_node
-from flax.nnx.sow.paths import is_variable_type
-from flax.nnx.sow.paths import referenced_graph_nodes
-from flax.nnx.sow.paths import trace_key
+from flax.nnx.sow.nnx.scope import ActiveScope
+from flax.nnx.sow.nnx.scope import Scope
+from flax.nnx.sow.nnx.scope import is_graph_leaf
+from flax.nnx.sow.nnx.scope import is_graph_node as _is_graph_node
+from flax.nnx.sow.nnx.scope import is_variable_type
+from flax.nnx.sow.nnx.scope import referenced_graph_nodes
+from flax.nnx.sow.nnx.scope import trace_key
 
 
 def _is_traced(path: tp.Any, variable: tp.Any) -> bool:

@@ -38,7 +38,7 @@ from flax.nnx.sow import capture
 from flax.nnx.sow import sow
 
 # The module, not the function that flax.nnx.sow exports under its name.
-capture_lib = sys.modules['flax.nnx.sow.capture']
+capture_lib = sys.modules['flax.nnx.sow.capturing']
 
 
 def rss_mib() -> float:

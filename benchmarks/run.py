@@ -235,7 +235,7 @@ def _rewrite_alone(top_level: bool) -> tp.Callable[[tp.Any], tp.Any] | None:
   """
   try:
     from flax.nnx.sow import capture as _  # pylint: disable=g-import-not-at-top
-    core = sys.modules['flax.nnx.sow.capture']
+    core = sys.modules['flax.nnx.sow.capturing']
   except (ImportError, KeyError):
     return None
   hook = getattr(core, 'rewrite_program', None)

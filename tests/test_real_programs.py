@@ -1281,7 +1281,7 @@ class CacheBoundTest(absltest.TestCase):
     import gc  # pylint: disable=g-import-not-at-top
     import sys  # pylint: disable=g-import-not-at-top
 
-    capture_lib = sys.modules['flax.nnx.sow.capture']
+    capture_lib = sys.modules['flax.nnx.sow.capturing']
 
     def make(i):
       def scanned(x):

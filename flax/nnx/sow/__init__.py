@@ -33,12 +33,12 @@ from flax.nnx.sow.nnx import shims as nnx_shims
 from flax.nnx.sow import rules as _rules  # registers the call-like rules
 from flax.nnx.sow import sharding as _sharding  # shard_map and pmap
 from flax.nnx.sow.nnx import state
-from flax.nnx.sow.capture import Collected
-from flax.nnx.sow.capture import capture
-from flax.nnx.sow.capture import collect_rules
-from flax.nnx.sow.intervene import intervene
-from flax.nnx.sow.perturb import perturb
-from flax.nnx.sow.primitive import sow
+from flax.nnx.sow.capturing import Collected
+from flax.nnx.sow.capturing import capture
+from flax.nnx.sow.capturing import collect_rules
+from flax.nnx.sow.inject import intervene
+from flax.nnx.sow.api import perturb
+from flax.nnx.sow.api import sow
 from flax.nnx.sow.primitive import sow_p
 from flax.nnx.sow.nnx.state import collected_to_state
 from flax.nnx.sow.nnx.state import flatten_names

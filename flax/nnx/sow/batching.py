@@ -39,11 +39,11 @@ from flax.nnx.sow import _jax
 from flax.nnx.sow import _jax_patches
 from flax.nnx.sow import loops
 from flax.nnx.sow import reductions
-from flax.nnx.sow.capture import Layout
-from flax.nnx.sow.capture import PLAIN_SOWS
-from flax.nnx.sow.capture import accepts
-from flax.nnx.sow.capture import rewrite_jaxpr
-from flax.nnx.sow.capture import sow_sites
+from flax.nnx.sow.capturing import Layout
+from flax.nnx.sow.capturing import PLAIN_SOWS
+from flax.nnx.sow.capturing import accepts
+from flax.nnx.sow.capturing import rewrite_jaxpr
+from flax.nnx.sow.capturing import sow_sites
 from flax.nnx.sow.primitive import mapped_axis_first
 from flax.nnx.sow.primitive import Reduction
 from flax.nnx.sow.primitive import bind_sow

@@ -267,7 +267,7 @@ class EntrySpec(tp.NamedTuple):
   treedef: tp.Any
   size: int  # number of leaves
   kind: str = 'value'  # or 'cotangent' or 'perturb' (see primitive.py)
-  # For 'perturb' and 'cotangent': the perturb call's ordinal (perturb.py).
+  # For 'perturb' and 'cotangent': the perturb call's ordinal (api.py).
   ordinal: int | None = None
 
 
@@ -1200,7 +1200,7 @@ def _unsupported(eqn, collector) -> NotImplementedError:
       f' {construct_name(eqn.primitive)} (primitive `{eqn.primitive.name}`'
       ' has no capture rule). Sow the value outside that construct (return'
       ' it from it and sow the result), or register a rule for the'
-      ' primitive in flax.nnx.sow.capture.collect_rules (see'
+      ' primitive in flax.nnx.sow.capturing.collect_rules (see'
       ' CONTRIBUTING.md).'
   )
 

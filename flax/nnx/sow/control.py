@@ -47,7 +47,7 @@ import dataclasses
 import typing as tp
 
 from flax.nnx.sow import _jax
-from flax.nnx.sow.capture import cached
+from flax.nnx.sow.capturing import cached
 from flax.nnx.sow.primitive import MARKER_KINDS
 from flax.nnx.sow.primitive import sow_p
 

@@ -41,7 +41,7 @@ import functools
 
 from flax.nnx.sow import _jax
 from flax.nnx.sow import _jax_patches
-from flax.nnx.sow.capture import sow_sites
+from flax.nnx.sow.capturing import sow_sites
 from flax.nnx.sow.invariance import without_value_sows_named
 from flax.nnx.sow.primitive import staging_active
 

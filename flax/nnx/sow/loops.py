@@ -38,13 +38,13 @@ import typing as tp
 import numpy as np
 
 from flax.nnx.sow import _jax
-from flax.nnx.sow.capture import Collector
-from flax.nnx.sow.capture import Layout
-from flax.nnx.sow.capture import cached
-from flax.nnx.sow.capture import collect_rules
-from flax.nnx.sow.capture import construct_names
-from flax.nnx.sow.capture import site_annotations
-from flax.nnx.sow.capture import sow_sites
+from flax.nnx.sow.capturing import Collector
+from flax.nnx.sow.capturing import Layout
+from flax.nnx.sow.capturing import cached
+from flax.nnx.sow.capturing import collect_rules
+from flax.nnx.sow.capturing import construct_names
+from flax.nnx.sow.capturing import site_annotations
+from flax.nnx.sow.capturing import sow_sites
 from flax.nnx.sow.reductions import strong
 from flax.nnx.sow.control import NO_AXES
 from flax.nnx.sow.control import control_rules

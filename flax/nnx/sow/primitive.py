@@ -31,10 +31,8 @@ import typing as tp
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from flax.nnx.sow import _jax
-from flax.nnx.sow import reductions
 from flax.nnx.sow.reductions import Reduction
 
 Name = tp.Union[str, tuple[tp.Union[str, int], ...]]
@@ -81,7 +79,7 @@ sow_p.multiple_results = True
 #   (``reductions.py``), carried to the capture as operands. The outputs are
 #   the sown leaves only.
 # * ``ordinal`` (only on a ``perturb``'s marker and its cotangent): a number that
-#   grows with every ``perturb`` call traced (``perturb.py``), so that a
+#   grows with every ``perturb`` call traced (``api.py``), so that a
 #   capture can tell the backward passes of one name apart and put their
 #   cotangents in call order (``Collector.result``).
 # * ``remat_copy``: the copy of a sow that partial evaluation leaves in a
@@ -365,198 +363,6 @@ def _sow_partial_eval_custom(saveable, unks_in, inst_in, eqn):
 _jax.partial_eval_jaxpr_custom_rules[sow_p] = _sow_partial_eval_custom
 
 
-def check_name(name: tp.Any, what: str = 'sow') -> Name:
-  """``name`` as a str or a tuple of str/int; NumPy integers become ``int``.
-
-  Raises:
-    TypeError: unless ``name`` is a str or a non-empty tuple of str and
-      integers (Python or NumPy; not bool).
-  """
-  if isinstance(name, str):
-    return name
-  if isinstance(name, tuple) and name:
-    parts = []
-    for p in name:
-      if isinstance(p, str):
-        parts.append(p)
-      elif isinstance(p, (int, np.integer)) and not isinstance(
-          p, (bool, np.bool_)
-      ):
-        parts.append(int(p))
-      else:
-        break
-    else:
-      return tuple(parts)
-  raise TypeError(
-      f'{what}: name must be a str or a non-empty tuple of str/int (a path'
-      f" such as ('blocks', 0, 'act')), got {name!r} of type"
-      f' {type(name).__name__}.'
-  )
-
-
-def check_tag(tag: tp.Any, name: Name, what: str = 'sow') -> None:
-  try:
-    hash(tag)
-  except TypeError:
-    raise TypeError(
-        f'{what} {name!r}: tag must be hashable, got {tag!r} of type'
-        f' {type(tag).__name__}.'
-    ) from None
-
-
-_SCALAR_TYPES = (bool, int, float, complex, np.generic)
-
-
-def array_leaves(value: tp.Any, name: Name, what: str = 'sow'):
-  """Flattens ``value``; every leaf must be an array or a scalar.
-
-  Returns:
-    ``(leaves, treedef)`` with scalar leaves converted like ``jnp.asarray``.
-
-  Raises:
-    TypeError: naming the sow and the offending leaf's path and type.
-  """
-  path_leaves, treedef = jax.tree_util.tree_flatten_with_path(value)
-  leaves = []
-  for path, leaf in path_leaves:
-    if isinstance(leaf, (jax.Array, np.ndarray, jax.core.Tracer)):
-      leaves.append(leaf)
-    elif isinstance(leaf, _SCALAR_TYPES):
-      leaves.append(jnp.asarray(leaf))
-    else:
-      where = jax.tree_util.keystr(path) or '<value>'
-      raise TypeError(
-          f'{what} {name!r}: the value at {where} has type'
-          f' {type(leaf).__name__}; {what} takes a pytree whose leaves are'
-          ' arrays or numeric scalars. Convert it with jnp.asarray or leave'
-          ' it out of the sown value.'
-      )
-  return leaves, treedef
-
-
 def is_eager() -> bool:
   """Whether no transform is tracing (a sow is then returned as it is)."""
   return isinstance(_jax.trace_ctx.trace, _jax.core.EvalTrace)
-
-
-def same_objects(value: tp.Any, out: tp.Sequence[tp.Any]) -> list[tp.Any]:
-  """``out``, where a leaf is not traced, as the caller's own leaf of
-  ``value`` (an eager capture then hands ``f`` back its NumPy arrays and
-  Python scalars, as ``sow`` does outside any capture)."""
-  given = jax.tree_util.tree_leaves(value)
-  return [
-      o if isinstance(o, jax.core.Tracer) else x for x, o in zip(given, out)
-  ]
-
-
-def unflatten(treedef, leaves):
-  return jax.tree_util.tree_unflatten(treedef, leaves)
-
-
-def sow(
-    value: tp.Any,
-    *,
-    name: Name,
-    tag: tp.Hashable = None,
-    reduce_fn: tp.Callable[[tp.Any, tp.Any], tp.Any] | None = None,
-    init_fn: tp.Callable[[], tp.Any] | None = None,
-) -> tp.Any:
-  """Tags ``value`` as an intermediate that an enclosing ``capture`` collects.
-
-  ``sow`` leaves an identity primitive, ``sow_p``, in the staged program.
-  Outside a :func:`capture` it is the identity under every JAX transform,
-  compiles to nothing and carries no effect (a jitted function keeps JAX's
-  fast dispatch path); while a capture stages its function the primitive
-  carries ``SowEffect``, so an unused sow survives until it is collected. Inside one, the value is returned by the capture under
-  ``name``. The idea follows oryx's ``harvest`` (``sow``/``reap``), built as a
-  jaxpr rewrite in the style of JAX's ``checkify``.
-
-  >>> import jax.numpy as jnp
-  >>> from flax.nnx.sow import capture, sow
-  >>> def f(x):
-  ...   h = sow(jnp.tanh(x), name='h')
-  ...   return 2 * h
-  >>> out, collected = capture(f)(jnp.zeros(3))
-  >>> collected['h'][0].shape
-  (3,)
-
-  Args:
-    value: a pytree whose leaves are arrays (``jax.Array``, ``numpy.ndarray``,
-      tracers) or Python/NumPy scalars, of any shape and dtype.
-    name: a ``str`` or a tuple of ``str``/``int`` (a path such as
-      ``('blocks', 0, 'act')``); the key of the collected value.
-    tag: any hashable, or ``None``; ``capture(f, tags=...)`` collects only
-      sows whose tag it lists.
-    reduce_fn: ``reduce_fn(acc, value) -> acc``. With ``init_fn``, the
-      capture keeps one accumulator per name, updated in the staged program
-      (also inside ``while_loop``), instead of a tuple of values. Each site
-      folds with its own ``reduce_fn``, traced when the sow runs (as Flax
-      applies it then), so inline lambdas that read loop variables or
-      values computed just before work. The accumulator must keep its
-      structure, shape and dtype.
-    init_fn: ``init_fn() -> acc``, the accumulator before the first sow; the
-      first site of the name in program order provides it. A Python scalar
-      takes the dtype and shape ``reduce_fn`` gives it.
-
-  Returns:
-    ``value``, unchanged.
-
-  Raises:
-    TypeError: if ``name`` is not a str or a tuple of str/int, if a leaf is
-      not an array or a scalar, if ``tag`` is not hashable, if only one of
-      ``reduce_fn``/``init_fn`` is given, or if either is not callable.
-  """
-  return sow_site(value, name, tag, reduce_fn, init_fn, fixed_type=True)
-
-
-def sow_site(value, name, tag, reduce_fn, init_fn, *, fixed_type: bool):
-  """:func:`sow`; ``fixed_type=False`` lets ``reduce_fn`` change the
-  accumulator's type where no loop or branch carries it (``Module.sow``)."""
-  name = check_name(name)
-  check_tag(tag, name)
-  if (reduce_fn is None) != (init_fn is None):
-    raise TypeError(
-        f'sow {name!r}: reduce_fn and init_fn go together; pass both to'
-        ' reduce the sown values into one accumulator, or neither to collect'
-        ' every value.'
-    )
-  if reduce_fn is not None and not callable(reduce_fn):
-    raise TypeError(
-        f'sow {name!r}: reduce_fn must be a function reduce_fn(acc, value)'
-        f' -> acc, got {reduce_fn!r} of type {type(reduce_fn).__name__}.'
-    )
-  if init_fn is not None and not callable(init_fn):
-    raise TypeError(
-        f'sow {name!r}: init_fn must be a function init_fn() -> acc, got'
-        f' {init_fn!r} of type {type(init_fn).__name__}; for a constant'
-        f' start write init_fn=lambda: {init_fn!r}.'
-    )
-  leaves, treedef = array_leaves(value, name)
-  if is_eager():
-    return value
-  reduction, closure = None, ()
-  if reduce_fn is not None:
-    snapshot = None
-    if staging_active():
-      # Fix what reduce_fn/init_fn mean now, as Flax applies them at the
-      # sow (a lambda reading a loop variable sees its current value).
-      try:
-        snapshot, closure = reductions.take_snapshot(
-            reduce_fn, init_fn, treedef, [_jax.typeof(x) for x in leaves]
-        )
-      except Exception as e:
-        e.add_note(
-            f'(raised by the reduce_fn or init_fn of sow {name!r}, applied to'
-            ' the sown value and the accumulator)'
-        )
-        raise
-    reduction = Reduction(reduce_fn, init_fn, snapshot, fixed_type)
-  out = bind_sow(
-      leaves,
-      name=name,
-      tag=tag,
-      treedef=treedef,
-      reduction=reduction,
-      closure=closure,
-  )
-  return unflatten(treedef, same_objects(value, out))

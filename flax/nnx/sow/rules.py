@@ -27,12 +27,12 @@ from __future__ import annotations
 
 
 from flax.nnx.sow import _jax
-from flax.nnx.sow.capture import Collector
-from flax.nnx.sow.capture import cached
-from flax.nnx.sow.capture import is_array
-from flax.nnx.sow.capture import collect_rules
-from flax.nnx.sow.capture import construct_names
-from flax.nnx.sow.capture import eval_collecting
+from flax.nnx.sow.capturing import Collector
+from flax.nnx.sow.capturing import cached
+from flax.nnx.sow.capturing import is_array
+from flax.nnx.sow.capturing import collect_rules
+from flax.nnx.sow.capturing import construct_names
+from flax.nnx.sow.capturing import eval_collecting
 from flax.nnx.sow.invariance import without_staged_sows
 from flax.nnx.sow.loops import _hoisted  # pylint: disable=protected-access
 

@@ -60,17 +60,17 @@ from flax.nnx.sow import control as control_lib
 # Its scan/cond batching rules must be installed before the ones below wrap
 # them.
 from flax.nnx.sow import batching as _batching_rules  # noqa: F401
-from flax.nnx.sow.capture import Collector
-from flax.nnx.sow.capture import accepts
-from flax.nnx.sow.capture import Layout
-from flax.nnx.sow.capture import ShardAxes
-from flax.nnx.sow.capture import SowSite
-from flax.nnx.sow.capture import cached
-from flax.nnx.sow.capture import collect_rules
-from flax.nnx.sow.capture import construct_names
-from flax.nnx.sow.capture import eval_collecting
-from flax.nnx.sow.capture import site_annotations
-from flax.nnx.sow.capture import sow_sites
+from flax.nnx.sow.capturing import Collector
+from flax.nnx.sow.capturing import accepts
+from flax.nnx.sow.capturing import Layout
+from flax.nnx.sow.capturing import ShardAxes
+from flax.nnx.sow.capturing import SowSite
+from flax.nnx.sow.capturing import cached
+from flax.nnx.sow.capturing import collect_rules
+from flax.nnx.sow.capturing import construct_names
+from flax.nnx.sow.capturing import eval_collecting
+from flax.nnx.sow.capturing import site_annotations
+from flax.nnx.sow.capturing import sow_sites
 from flax.nnx.sow.primitive import MARKER_KINDS
 from flax.nnx.sow.primitive import sow_p
 from flax.nnx.sow.primitive import staging_captures

@@ -59,16 +59,16 @@ from flax.nnx import module as _module_lib
 from flax.nnx import variablelib as _variablelib
 
 from flax.nnx.sow.nnx import state as state_lib
-from flax.nnx.sow.capture import stage_and_collect
+from flax.nnx.sow.capturing import stage_and_collect
 from flax.nnx.sow.nnx.calls import functional_graph_call
 from flax.nnx.sow.nnx import scope as scope_lib
 from flax.nnx.sow.nnx.scope import LOCAL
 from flax.nnx.sow.nnx.scope import Path
 from flax.nnx.sow.nnx.scope import Scope
 from flax.nnx.sow.nnx.scope import SharedPathError
-from flax.nnx.sow.perturb import perturb as _core_perturb
-from flax.nnx.sow.primitive import sow as _core_sow
-from flax.nnx.sow.primitive import sow_site
+from flax.nnx.sow.api import perturb as _core_perturb
+from flax.nnx.sow.api import sow as _core_sow
+from flax.nnx.sow.api import sow_site
 
 __all__ = [
     'install',

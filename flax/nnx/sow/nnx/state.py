@@ -29,9 +29,10 @@ import typing as tp
 
 from flax import nnx
 
-from flax.nnx.sow.intervene import values_converters
+from flax.nnx.sow.inject import values_converters
+from flax.nnx.sow import api
 from flax.nnx.sow import primitive
-from flax.nnx.sow.capture import Collected
+from flax.nnx.sow.capturing import Collected
 
 Name = primitive.Name
 VariableType = type[nnx.Variable]
@@ -55,7 +56,7 @@ def name_to_path(name: Name) -> tuple[tp.Union[str, int], ...]:
   Raises:
     TypeError: if ``name`` is not a str or a non-empty tuple of str/int.
   """
-  name = primitive.check_name(name, 'name_to_path')
+  name = api.check_name(name, 'name_to_path')
   return (name,) if isinstance(name, str) else name
 
 

@@ -35,6 +35,7 @@ import jax
 import numpy as np
 
 from flax.nnx.sow import _jax
+from flax.nnx.sow import api
 from flax.nnx.sow import primitive as primitive_lib
 from flax.nnx.sow import toplevel
 from flax.nnx.sow.primitive import Name
@@ -188,7 +189,7 @@ def _check_names(names) -> frozenset | tp.Callable[[Name], bool]:
         f' name -> bool, got {names!r}; write names=({names!r},) to collect'
         ' one name.'
     )
-  return frozenset(primitive_lib.check_name(n, 'capture: names') for n in names)
+  return frozenset(api.check_name(n, 'capture: names') for n in names)
 
 
 class _EagerJitted:

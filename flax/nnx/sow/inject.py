@@ -45,15 +45,15 @@ import weakref
 import jax
 
 from flax.nnx.sow import _jax
-from flax.nnx.sow.capture import capture as capture_transform
-from flax.nnx.sow.capture import accepts
-from flax.nnx.sow.capture import as_jaxpr
-from flax.nnx.sow.capture import cached
-from flax.nnx.sow.capture import interpret
-from flax.nnx.sow.capture import construct_name
-from flax.nnx.sow.capture import sow_sites
-from flax.nnx.sow.capture import stage
-from flax.nnx.sow.capture import where
+from flax.nnx.sow.capturing import capture as capture_transform
+from flax.nnx.sow.capturing import accepts
+from flax.nnx.sow.capturing import as_jaxpr
+from flax.nnx.sow.capturing import cached
+from flax.nnx.sow.capturing import interpret
+from flax.nnx.sow.capturing import construct_name
+from flax.nnx.sow.capturing import sow_sites
+from flax.nnx.sow.capturing import stage
+from flax.nnx.sow.capturing import where
 from flax.nnx.sow.collect import run_with_call_hooks
 from flax.nnx.sow.loops import _branches_hoisted  # pylint: disable=protected-access
 from flax.nnx.sow.loops import _hoisted  # pylint: disable=protected-access
@@ -486,7 +486,7 @@ def _unsupported(eqn, injector) -> NotImplementedError:
       f' {construct_name(eqn.primitive)} (primitive `{eqn.primitive.name}`),'
       ' which intervene has no rule for. Replace the value outside that'
       ' construct, or register a rule in'
-      ' flax.nnx.sow.intervene.intervene_rules.'
+      ' flax.nnx.sow.inject.intervene_rules.'
   )
 
 

@@ -28,17 +28,15 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 
 from flax.nnx.sow import capture
+from flax.nnx.sow import collect
+from flax.nnx.sow import sites
 from flax.nnx.sow import sow
-
-# The module, not the function that flax.nnx.sow exports under its name.
-capture_lib = sys.modules['flax.nnx.sow.capturing']
 
 
 def rss_mib() -> float:
@@ -112,9 +110,9 @@ def main():
   gc.collect()
   print(
       'entries left: sow_sites',
-      len(capture_lib._sites_cache),  # pylint: disable=protected-access
+      len(sites._sites_cache),  # pylint: disable=protected-access
       'rewrites',
-      len(capture_lib._rewrite_cache),  # pylint: disable=protected-access
+      len(collect._rewrite_cache),  # pylint: disable=protected-access
   )
 
 

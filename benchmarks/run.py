@@ -234,9 +234,8 @@ def _rewrite_alone(top_level: bool) -> tp.Callable[[tp.Any], tp.Any] | None:
   keyword always interprets.
   """
   try:
-    from flax.nnx.sow import capture as _  # pylint: disable=g-import-not-at-top
-    core = sys.modules['flax.nnx.sow.capturing']
-  except (ImportError, KeyError):
+    from flax.nnx.sow import capturing as core  # pylint: disable=g-import-not-at-top
+  except ImportError:
     return None
   hook = getattr(core, 'rewrite_program', None)
   if not callable(hook):

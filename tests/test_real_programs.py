@@ -1279,9 +1279,8 @@ class CacheBoundTest(absltest.TestCase):
 
   def test_rewrite_cache_does_not_keep_jitted_captures_alive(self):
     import gc  # pylint: disable=g-import-not-at-top
-    import sys  # pylint: disable=g-import-not-at-top
 
-    capture_lib = sys.modules['flax.nnx.sow.capturing']
+    from flax.nnx.sow import collect as collect_lib  # pylint: disable=g-import-not-at-top
 
     def make(i):
       def scanned(x):
@@ -1300,12 +1299,12 @@ class CacheBoundTest(absltest.TestCase):
       return scanned
 
     gc.collect()
-    before = len(capture_lib._rewrite_cache)  # pylint: disable=protected-access
+    before = len(collect_lib._rewrite_cache)  # pylint: disable=protected-access
     for i in range(5):
       _, collected = jax.jit(capture(make(i)))(jnp.ones(4))
       np.testing.assert_allclose(collected['inv'][0], [4.0] * 3)
     gc.collect()
-    after = len(capture_lib._rewrite_cache)  # pylint: disable=protected-access
+    after = len(collect_lib._rewrite_cache)  # pylint: disable=protected-access
     self.assertLessEqual(after, before)
 
 

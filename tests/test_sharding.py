@@ -54,7 +54,7 @@ from flax.nnx.sow import intervene
 from flax.nnx.sow import perturb
 from flax.nnx.sow import sow
 from flax.nnx.sow import _jax
-from flax.nnx.sow.capturing import collect_rules
+from flax.nnx.sow.collect import collect_rules
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 WORKER = ROOT / 'tests' / 'multiprocess_worker.py'

@@ -25,17 +25,12 @@ Importing this package also installs the NNX shims (``nnx_shims.install()``):
 """
 
 from flax.nnx.sow import _jax_patches
-from flax.nnx.sow import batching as _batching  # hoists sows under vmap
-from flax.nnx.sow import custom_primal as _custom_primal  # custom rules, AD
-from flax.nnx.sow import invariance as _invariance  # loop-invariant sows
-from flax.nnx.sow import loops as _loops  # registers the loop rules
+from flax.nnx.sow import constructs as _constructs  # registers every construct
 from flax.nnx.sow.nnx import shims as nnx_shims
-from flax.nnx.sow import rules as _rules  # registers the call-like rules
-from flax.nnx.sow import sharding as _sharding  # shard_map and pmap
 from flax.nnx.sow.nnx import state
 from flax.nnx.sow.capturing import Collected
 from flax.nnx.sow.capturing import capture
-from flax.nnx.sow.capturing import collect_rules
+from flax.nnx.sow.collect import collect_rules
 from flax.nnx.sow.inject import intervene
 from flax.nnx.sow.api import perturb
 from flax.nnx.sow.api import sow
@@ -62,4 +57,4 @@ __all__ = [
     'state_to_collected',
 ]
 
-del _batching, _custom_primal, _invariance, _loops, _rules, _sharding
+del _constructs

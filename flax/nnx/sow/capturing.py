@@ -40,40 +40,14 @@ from flax.nnx.sow import primitive as primitive_lib
 from flax.nnx.sow import toplevel
 from flax.nnx.sow.primitive import Name
 from flax.nnx.sow.primitive import staging
-from flax.nnx.sow.collect import Rule
-from flax.nnx.sow.collect import collect_rules
-from flax.nnx.sow.collect import construct_names
-from flax.nnx.sow.collect import site_annotations
-from flax.nnx.sow.collect import SowSite
-from flax.nnx.sow.collect import where
-from flax.nnx.sow.collect import sow_sites
-from flax.nnx.sow.collect import as_jaxpr
-from flax.nnx.sow.collect import ShardAxes
-from flax.nnx.sow.collect import ReducedSpec
-from flax.nnx.sow.collect import EntrySpec
-from flax.nnx.sow.collect import Layout
-from flax.nnx.sow.collect import PLAIN_SOWS
-from flax.nnx.sow.collect import Selection
-from flax.nnx.sow.collect import tags_of
-from flax.nnx.sow.collect import accepts
+from flax.nnx.sow.sites import Selection
+from flax.nnx.sow.sites import tags_of
 from flax.nnx.sow.collect import Collector
 from flax.nnx.sow.collect import Collected
-from flax.nnx.sow.collect import cached
-from flax.nnx.sow.collect import Edited
-from flax.nnx.sow.collect import edit_plain_sows
-from flax.nnx.sow.collect import rewrite_jaxpr
 from flax.nnx.sow.collect import eval_collecting
-from flax.nnx.sow.collect import interpret
 from flax.nnx.sow.collect import is_opaque_leaf
 from flax.nnx.sow.collect import run_with_call_hooks
-from flax.nnx.sow.collect import construct_name
 from flax.nnx.sow.collect import is_array
-from flax.nnx.sow.collect import _sites_cache  # pylint: disable=unused-import
-from flax.nnx.sow.collect import _rewrite_cache  # pylint: disable=unused-import
-from flax.nnx.sow.collect import _reduction_error  # pylint: disable=unused-import
-from flax.nnx.sow.collect import _sharded_error  # pylint: disable=unused-import
-from flax.nnx.sow.collect import _meaning_error  # pylint: disable=unused-import
-from flax.nnx.sow.collect import _in_call_order  # pylint: disable=unused-import
 
 
 def capture(

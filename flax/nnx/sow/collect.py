@@ -54,6 +54,14 @@ from flax.nnx.sow.primitive import sow_p
 from flax.nnx.sow.reductions import Accumulator
 from flax.nnx.sow.reductions import Reduction
 from flax.nnx.sow.reductions import strong
+from flax.nnx.sow.sites import ShardAxes
+from flax.nnx.sow.sites import SowSite
+from flax.nnx.sow.sites import accepts
+from flax.nnx.sow.sites import as_jaxpr
+from flax.nnx.sow.sites import construct_name
+from flax.nnx.sow.sites import init_order_sites
+from flax.nnx.sow.sites import sow_sites
+from flax.nnx.sow.sites import where
 
 Rule = tp.Callable[['Collector', _jax.JaxprEqn, list[tp.Any]], list[tp.Any]]
 
@@ -97,148 +105,6 @@ def run_with_call_hooks(run, f, args, kwargs, *, tags, in_place):
 
 def _around(hook, run, tags, in_place):
   return lambda f, a, kw: hook(run, f, a, kw, tags=tags, in_place=in_place)
-
-
-construct_names: dict[_jax.Primitive, str] = {}
-"""How errors name a primitive's construct (``'lax.scan'`` for ``scan``)."""
-
-site_annotations: dict[
-    _jax.Primitive, tp.Callable[[_jax.JaxprEqn, 'SowSite'], 'SowSite']
-] = {}
-"""How a primitive changes what the sows in its sub-jaxprs give the caller.
-
-``annotate(eqn, site) -> site``; ``shard_map`` records the mesh axes its
-sows gain (``sharding.py``).
-"""
-
-
-# ----------------------------------------------------------------------------
-# Static analysis: which sows does a jaxpr hold?
-
-
-@dataclasses.dataclass(frozen=True)
-class SowSite:
-  """One sow equation, found anywhere in a jaxpr or its sub-jaxprs."""
-
-  name: Name
-  tag: tp.Hashable
-  reduction: Reduction | None
-  kind: str = 'value'
-  # Where the sow was called, and what it sows (one example's avals).
-  eqn: _jax.JaxprEqn | None = dataclasses.field(default=None, compare=False)
-  # The mesh axes of an enclosing ``shard_map`` the value varies over.
-  sharded: ShardAxes | None = None
-  # Manual mesh axes the predicates of the enclosing loops and branches vary
-  # over: the site runs differently per shard (``loops.py``).
-  control_axes: frozenset = frozenset()
-
-  @property
-  def where(self) -> str:
-    return '' if self.eqn is None else where(self.eqn)
-
-  def value_avals(self) -> tuple[tp.Any, ...]:
-    p = self.eqn.params
-    b = p['batch_dims']
-    invars = self.eqn.invars[: len(self.eqn.invars) - p['n_closure']]
-    return tuple(
-        _jax.ShapedArray(v.aval.shape[b:], v.aval.dtype) for v in invars
-    )
-
-
-def where(eqn: _jax.JaxprEqn) -> str:
-  """`` (at file:line)`` of the user's call that staged ``eqn``."""
-  return f' (at {_jax.summarize_source(eqn.source_info)})'
-
-
-_sites_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_sites_lock = threading.Lock()
-
-
-def sow_sites(jaxpr: _jax.Jaxpr) -> tuple[SowSite, ...]:
-  """Every sow in ``jaxpr`` and its sub-jaxprs, in equation order (cached)."""
-  try:
-    return _sites_cache[jaxpr]
-  except KeyError:
-    pass
-  sites: list[SowSite] = []
-  for eqn in jaxpr.eqns:
-    if eqn.primitive is sow_p:
-      p = eqn.params
-      if not p['remat_copy']:
-        sites.append(
-            SowSite(p['name'], p['tag'], p['reduction'], p['kind'], eqn)
-        )
-    else:
-      annotate = site_annotations.get(eqn.primitive)
-      for sub in _jax.jaxprs_in_params(eqn.params):
-        for site in sow_sites(sub):
-          sites.append(site if annotate is None else annotate(eqn, site))
-  result = tuple(sites)
-  with _sites_lock:
-    _sites_cache[jaxpr] = result
-  return result
-
-
-def init_order_sites(jaxpr: _jax.Jaxpr) -> list[SowSite]:
-  """The reduced sows of ``jaxpr`` in the order in which they give a name
-  its ``init_fn()``: program order, except that the two branches of a
-  ``cond`` come last first. JAX stores ``lax.cond(pred, true_fun,
-  false_fun)``'s branches as ``(false_fun, true_fun)``; ``true_fun``, written
-  first, comes first (a two-branch ``lax.switch`` is staged the same way).
-  By position, so that JAX's transforms, which keep branches in place, do
-  not change it."""
-  sites = []
-  for eqn in jaxpr.eqns:
-    if eqn.primitive is sow_p:
-      p = eqn.params
-      if p['reduction'] is not None and not p['remat_copy']:
-        sites.append(
-            SowSite(p['name'], p['tag'], p['reduction'], p['kind'], eqn)
-        )
-      continue
-    subs = list(_jax.jaxprs_in_params(eqn.params))
-    if eqn.primitive is _jax.cond_p and len(subs) == 2:
-      subs = subs[::-1]
-    annotate = site_annotations.get(eqn.primitive)
-    for sub in subs:
-      for site in init_order_sites(sub):
-        sites.append(site if annotate is None else annotate(eqn, site))
-  return sites
-
-
-def as_jaxpr(j: _jax.Jaxpr | _jax.ClosedJaxpr) -> _jax.Jaxpr:
-  return j.jaxpr if isinstance(j, _jax.ClosedJaxpr) else j
-
-
-# ----------------------------------------------------------------------------
-# Per-scope collection state.
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardAxes:
-  """The mesh axes that a value sown inside ``shard_map`` varies over.
-
-  Outside the ``shard_map`` such a value, or the accumulator of such a
-  reduced name, carries one leading axis per axis in :attr:`axes`, of the
-  sizes in :attr:`shape` (``sharding.py``).
-  """
-
-  mesh_shape: tuple[tuple[str, int], ...]  # the mesh's axes, in mesh order
-  names: frozenset[str]
-
-  @property
-  def axes(self) -> tuple[str, ...]:
-    return tuple(a for a, _ in self.mesh_shape if a in self.names)
-
-  @property
-  def shape(self) -> tuple[int, ...]:
-    return tuple(n for a, n in self.mesh_shape if a in self.names)
-
-  def union(self, other: ShardAxes) -> ShardAxes | None:
-    """Both sets of axes, or ``None`` if the meshes differ."""
-    if other.mesh_shape != self.mesh_shape:
-      return None
-    return ShardAxes(self.mesh_shape, self.names | other.names)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,60 +219,6 @@ def _reduction_error(name, where_=''):
       ' accumulator or collected as a tuple of values; give the sites'
       ' different names, or pass reduce_fn/init_fn at every site.'
   )
-
-
-PLAIN_SOWS = object()
-"""A ``Collector.accepts_key`` that takes every plain sow, whatever its tag.
-
-Used to hoist plain sows out of a construct (``batching.py``).
-"""
-
-
-@dataclasses.dataclass(frozen=True)
-class Selection:
-  """The ``accepts_key`` of a capture that selects names (``names=``).
-
-  ``tags`` is ``None`` (every tag) or a frozenset; ``names`` a frozenset of
-  names or a callable ``name -> bool``. A capture without ``names`` keeps its
-  ``tags`` (``None`` or a frozenset) as its key.
-  """
-
-  tags: frozenset | None
-  names: tp.Any
-
-  def accepts_name(self, name: Name) -> bool:
-    if isinstance(self.names, frozenset):
-      return name in self.names
-    return bool(self.names(name))
-
-
-def tags_of(accepts_key) -> frozenset | None:
-  """The tags a capture's ``accepts_key`` takes (``None``: every tag)."""
-  if isinstance(accepts_key, Selection):
-    return accepts_key.tags
-  return accepts_key
-
-
-def accepts(
-    accepts_key: frozenset | Selection | None | object,
-    tag: tp.Hashable,
-    reduction: Reduction | None,
-    kind: str = 'value',
-    name: Name | None = None,
-) -> bool:
-  """Whether a capture with ``accepts_key`` collects a sow of ``tag`` and
-  ``name``."""
-  if accepts_key is PLAIN_SOWS:
-    # Hoisting moves values; markers stay where they are (a perturb marker
-    # must meet the JVP there).
-    return reduction is None and kind not in MARKER_KINDS
-  if accepts_key is None:
-    return True
-  if isinstance(accepts_key, Selection):
-    return (
-        accepts_key.tags is None or tag in accepts_key.tags
-    ) and accepts_key.accepts_name(name)
-  return tag in accepts_key
 
 
 class Collector:
@@ -1185,10 +997,6 @@ def interpret(jaxpr, consts, args, handler, rules, unsupported) -> list:
           outs = _jax.bind_equation(eqn, invals)
     env.update(zip(eqn.outvars, outs))
   return [_jax.as_value(read(v)) for v in jaxpr.outvars]
-
-
-def construct_name(primitive: _jax.Primitive) -> str:
-  return construct_names.get(primitive, f'`{primitive.name}`')
 
 
 def _unsupported(eqn, collector) -> NotImplementedError:

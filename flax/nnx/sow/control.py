@@ -47,7 +47,7 @@ import dataclasses
 import typing as tp
 
 from flax.nnx.sow import _jax
-from flax.nnx.sow.capturing import cached
+from flax.nnx.sow.collect import cached
 from flax.nnx.sow.primitive import MARKER_KINDS
 from flax.nnx.sow.primitive import sow_p
 
@@ -271,3 +271,9 @@ def passes_through(jaxprs: tp.Sequence[_jax.Jaxpr], j: int, offset: int = 0):
       return False
     position = i
   return True
+
+
+def control_axes(axes, site):
+  if not axes:
+    return site
+  return dataclasses.replace(site, control_axes=site.control_axes | axes)

@@ -46,20 +46,16 @@ import jax
 
 from flax.nnx.sow import _jax
 from flax.nnx.sow.capturing import capture as capture_transform
-from flax.nnx.sow.capturing import accepts
-from flax.nnx.sow.capturing import as_jaxpr
-from flax.nnx.sow.capturing import cached
-from flax.nnx.sow.capturing import interpret
-from flax.nnx.sow.capturing import construct_name
-from flax.nnx.sow.capturing import sow_sites
+from flax.nnx.sow.sites import accepts
+from flax.nnx.sow.sites import as_jaxpr
+from flax.nnx.sow.collect import cached
+from flax.nnx.sow.collect import interpret
+from flax.nnx.sow.sites import construct_name
+from flax.nnx.sow.sites import sow_sites
 from flax.nnx.sow.capturing import stage
-from flax.nnx.sow.capturing import where
+from flax.nnx.sow.sites import where
 from flax.nnx.sow.collect import run_with_call_hooks
-from flax.nnx.sow.loops import _branches_hoisted  # pylint: disable=protected-access
-from flax.nnx.sow.loops import _hoisted  # pylint: disable=protected-access
 from flax.nnx.sow.primitive import Intervening
-from flax.nnx.sow.rules import bind_remat_opt
-from flax.nnx.sow.rules import stage_vmap_rule
 from flax.nnx.sow.primitive import Name
 from flax.nnx.sow.primitive import sow_p
 from flax.nnx.sow.primitive import staging_active
@@ -325,7 +321,7 @@ class Injector:
           fn, [*closed.in_avals, *rep_avals], 'intervene_rewrite'
       )
 
-    return _cached_rewrite(closed, key, fns, build, self.token)
+    return cached_rewrite(closed, key, fns, build, self.token)
 
   # -- the sow --------------------------------------------------------------
 
@@ -420,7 +416,7 @@ _rewrites: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _rewrites_lock = threading.Lock()
 
 
-def _cached_rewrite(closed, key, fns, build, token):
+def cached_rewrite(closed, key, fns, build, token):
   """``cached(closed, key, build)`` for a rewrite that applies ``fns``.
 
   A callable is traced into the rewritten jaxpr, with whatever it reads
@@ -495,7 +491,7 @@ def _unsupported(eqn, injector) -> NotImplementedError:
 # trailing operands.
 
 
-def _one_body(injector, closed, *, length=None):
+def one_body(injector, closed, *, length=None):
   if length is not None:
     injector.check_unbatched_loop(closed.jaxpr, '`lax.scan`')
   counts = injector.consumed(closed.jaxpr)
@@ -505,295 +501,6 @@ def _one_body(injector, closed, *, length=None):
     avals = [_jax.ShapedArray(a.shape[1:], a.dtype) for a in avals]
   new = injector.rewrite(closed, spec, avals)
   return new, leaves
-
-
-def _jit_rule(injector, eqn, invals):
-  p = eqn.params
-  new, reps = _one_body(injector, p['jaxpr'])
-  # Constants of the rewrite (e.g. tracers a callable closes over) enter as
-  # leading arguments.
-  new, consts = _hoisted(new)
-  n, k = len(reps), len(consts)
-  return _jax.jit_p.bind(
-      *consts,
-      *invals,
-      *reps,
-      **dict(
-          p,
-          jaxpr=new,
-          in_shardings=(
-              *(_jax.UNSPECIFIED,) * k,
-              *p['in_shardings'],
-              *(_jax.UNSPECIFIED,) * n,
-          ),
-          in_layouts=(*(None,) * k, *p['in_layouts'], *(None,) * n),
-          donated_invars=(
-              *(False,) * k,
-              *p['donated_invars'],
-              *(False,) * n,
-          ),
-      ),
-  )
-
-
-def _closed_call_rule(injector, eqn, invals):
-  closed = eqn.params['call_jaxpr']
-  return eval_intervening(closed.jaxpr, closed.consts, invals, injector)
-
-
-def _call_rule(injector, eqn, invals):
-  return eval_intervening(eqn.params['call_jaxpr'], (), invals, injector)
-
-
-def _remat_rule(injector, eqn, invals):
-  p = eqn.params
-  new, reps = _one_body(injector, _jax.ClosedJaxpr(p['jaxpr'], ()))
-  jaxpr, consts = _jax.close_over_nothing(new)
-  # close_over_nothing puts the constants first.
-  return _jax.remat_p.bind(*consts, *invals, *reps, **dict(p, jaxpr=jaxpr))
-
-
-def _scan_rule(injector, eqn, invals):
-  p = eqn.params
-  new, reps = _one_body(injector, p['jaxpr'], length=p['length'])
-  new, consts = _hoisted(new)
-  return _jax.scan_p.bind(
-      *consts,
-      *invals,
-      *reps,
-      **dict(p, jaxpr=new, num_consts=len(consts) + p['num_consts']),
-  )
-
-
-def _while_rule(injector, eqn, invals):
-  p = eqn.params
-  for key in ('cond_jaxpr', 'body_jaxpr'):
-    counts = injector.consumed(p[key].jaxpr)
-    if any(counts.values()):
-      name = next(n for n, c in counts.items() if c)
-      site = next(s for s in sow_sites(p[key].jaxpr) if s.name == name)
-      raise ValueError(
-          f'intervene: sow {name!r}{site.where} is inside `lax.while_loop`'
-          ' (or a fori_loop with traced bounds), whose number of iterations'
-          ' is not known, so values[name] cannot be a tuple of arrays. Pass'
-          ' a callable (values[name] = fn, applied at every iteration).'
-      )
-  cond, cond_consts = _hoisted(injector.rewrite(p['cond_jaxpr'], (), ()))
-  body, body_consts = _hoisted(injector.rewrite(p['body_jaxpr'], (), ()))
-  nc, nb = p['cond_nconsts'], p['body_nconsts']
-  return _jax.while_p.bind(
-      *cond_consts,
-      *invals[:nc],
-      *body_consts,
-      *invals[nc:],
-      **dict(
-          p,
-          cond_jaxpr=cond,
-          body_jaxpr=body,
-          cond_nconsts=len(cond_consts) + nc,
-          body_nconsts=len(body_consts) + nb,
-      ),
-  )
-
-
-def _cond_rule(injector, eqn, invals):
-  p = eqn.params
-  branches = p['branches']
-  leaves, spec = injector.take(injector.branch_consumed(branches))
-  avals = [_jax.typeof(x) for x in leaves]
-  new = tuple(injector.rewrite(b, spec, avals) for b in branches)
-  new, consts = _branches_hoisted(new)
-  index, *ops = invals
-  return _jax.cond_p.bind(
-      index, *consts, *ops, *leaves, **dict(p, branches=new)
-  )
-
-
-def _custom_jvp_rule(injector, eqn, invals):
-  p = eqn.params
-  new, reps = _one_body(injector, p['call_jaxpr'])
-  n_orig, n_out = len(invals), len(eqn.outvars)
-  _, orig_jvp = eqn.primitive.get_bind_params(p)['subfuns']
-
-  def fun(*args):
-    return _jax.eval_closed(new, args)
-
-  def jvp(*xs):
-    primals, tangents = xs[: len(xs) // 2], xs[len(xs) // 2 :]
-    out = list(orig_jvp.call_wrapped(*primals[:n_orig], *tangents[:n_orig]))
-    # The custom rule gives the tangents (a replacement inside has none);
-    # the primal outputs are those of the body with its sows replaced.
-    return [*_jax.eval_closed(new, primals), *out[n_out:]]
-
-  n_in = n_orig + len(reps)
-  return _jax.custom_jvp_call_p.bind(
-      *invals,
-      *reps,
-      subfuns=(
-          _jax.wrap_init(fun, 'custom_jvp_intervene', n_in),
-          _jax.wrap_init(jvp, 'custom_jvp_intervene_jvp', 2 * n_in),
-      ),
-      symbolic_zeros=p['symbolic_zeros'],
-  )
-
-
-def _custom_vjp_rule(injector, eqn, invals):
-  p = eqn.params
-  new, reps = _one_body(injector, p['call_jaxpr'])
-  rep_avals = [_jax.typeof(x) for x in reps]
-  n_orig, n_out = len(invals), len(eqn.outvars)
-  _, orig_fwd, orig_bwd = eqn.primitive.get_bind_params(p)['subfuns']
-
-  def fun(*args):
-    return _jax.eval_closed(new, args)
-
-  def fwd(*args):
-    res_and_outs = list(orig_fwd.call_wrapped(*args[: 2 * n_orig]))
-    outs = _jax.eval_closed(new, args[::2])
-    return [*res_and_outs[: len(res_and_outs) - n_out], *outs]
-
-  def bwd(*args):
-    cts = list(orig_bwd.call_wrapped(*args))
-    return [*cts, *(_jax.Zero(a.to_tangent_aval()) for a in rep_avals)]
-
-  n_in = n_orig + len(reps)
-  return _jax.custom_vjp_call_p.bind(
-      *invals,
-      *reps,
-      subfuns=(
-          _jax.wrap_init(fun, 'custom_vjp_intervene', n_in),
-          _jax.wrap_init(fwd, 'custom_vjp_intervene_fwd', 2 * n_in),
-          _jax.wrap_init(bwd, 'custom_vjp_intervene_bwd', 0),
-      ),
-      out_trees=p['out_trees'],
-      symbolic_zeros=p['symbolic_zeros'],
-  )
-
-
-def _shard_map_rule(injector, eqn, invals):
-  p = eqn.params
-  body = p['jaxpr']
-  counts = injector.consumed(body)
-  if any(counts.values()):
-    name = next(n for n, c in counts.items() if c)
-    site = next(s for s in sow_sites(body) if s.name == name)
-    raise NotImplementedError(
-        f'intervene: sow {name!r}{site.where} is inside `jax.shard_map` (or'
-        ' `jax.pmap`), where array replacements are not supported yet. Pass'
-        " a callable (values[name] = fn, applied to each shard's value), or"
-        ' replace the value outside the shard_map.'
-    )
-  mesh, manual, check_vma = p['mesh'], p['newly_manual_axes'], p['check_vma']
-
-  def build():
-    def fn(*args):
-      return eval_intervening(body, (), args, injector.inner((), []))
-
-    with _jax.shard_map_context(mesh, manual, check_vma):
-      closed = _jax.trace_to_closed_jaxpr(
-          fn, body.in_avals, 'shard_map_intervene'
-      )
-      return _jax.close_over_nothing(closed)
-
-  key = ('intervene_shard_map', injector.accepts_key, staging_active())
-  jaxpr, consts = _cached_rewrite(
-      body, key, injector.fns_in(body), build, injector.token
-  )
-  const_specs = tuple(_jax.replicated_spec(_jax.typeof(c)) for c in consts)
-  new_params = dict(p, jaxpr=jaxpr, in_specs=(*const_specs, *p['in_specs']))
-  return _jax.bind_equation(eqn.replace(params=new_params), [*consts, *invals])
-
-
-def _remat_opt_rule(injector, eqn, invals):
-  # The forward pass of ``custom_vjp(optimize_remat=True)`` under
-  # differentiation: its sows see primal values and are replaced there.
-  # See ``rules.py`` for the parameters.
-  new, reps = _one_body(injector, eqn.params['fwd_jaxpr'])
-  new, consts = _hoisted(new)
-  return bind_remat_opt(new, [*consts, *invals, *reps], eqn.params['num_res'])
-
-
-class _InterveningVmapRule:
-  """The vmap rule of a ``custom_vmap_call`` whose body intervene rewrote.
-
-  Batched, the user's ``rule`` runs instead of the body, and its sows are
-  replaced by the callables of ``fns``, as under a ``jax.vmap`` inside
-  ``intervene``. Array replacements (``n_reps`` trailing arguments) were laid
-  out for the body's sows, so they are an error here.
-  """
-
-  def __init__(
-      self, rule, in_tree, out_tree, n_lead, n_reps, fns, accepts_key, sites
-  ):
-    self.rule = rule
-    self.in_tree = in_tree
-    self.out_tree = out_tree
-    self.n_lead = n_lead  # constants of the rewrite, before the arguments
-    self.n_reps = n_reps
-    self.fns = fns
-    self.accepts_key = accepts_key
-    self.sites = sites  # the replaced sites of the body, for errors
-
-  def __str__(self):
-    return str(self.rule)
-
-  def __call__(self, axis_size, in_batched, *args):
-    if self.n_reps:
-      site = self.sites[0]
-      raise NotImplementedError(
-          f'intervene: sow {site.name!r}{site.where} is inside a'
-          ' `jax.custom_batching.custom_vmap` function that `jax.vmap` maps'
-          ' over from outside intervene, so its vmap rule runs instead of'
-          ' the function, and an array replacement laid out for the'
-          " function's sows cannot be matched to the rule's. Pass a callable"
-          ' (values[name] = fn, applied to what the rule sows), or put the'
-          ' vmap inside intervene.'
-      )
-    end = len(args) - self.n_reps
-    flags = list(in_batched[self.n_lead : end])
-    values = list(args[self.n_lead : end])
-    closed, box = stage_vmap_rule(
-        self.rule, self.in_tree, self.out_tree, axis_size, flags, values
-    )
-    injector = Injector(self.accepts_key, dict(self.fns), strict=False)
-    outs = eval_intervening(closed.jaxpr, closed.consts, values, injector)
-    return outs, box[-1]
-
-
-def _custom_vmap_rule(injector, eqn, invals):
-  # Unbatched, the body runs with its sows replaced; batched, the user's
-  # vmap rule runs, with the callables applied to its sows.
-  p = eqn.params
-  new, reps = _one_body(injector, p['call'])
-  new, consts = _hoisted(new)
-  sites = [
-      s for s in sow_sites(p['call'].jaxpr) if injector.targets(s.eqn.params)
-  ]
-  rule = _InterveningVmapRule(
-      p['rule'],
-      p['in_tree'],
-      p['out_tree'],
-      len(consts),
-      len(reps),
-      injector.fns_in(p['call'].jaxpr),
-      injector.accepts_key,
-      sites,
-  )
-  return _jax.bind_custom_vmap(new, [*consts, *invals, *reps], rule)
-
-
-intervene_rules[_jax.shard_map_p] = _shard_map_rule
-intervene_rules[_jax.custom_vmap_p] = _custom_vmap_rule
-intervene_rules[_jax.remat_opt_p] = _remat_opt_rule
-intervene_rules[_jax.jit_p] = _jit_rule
-intervene_rules[_jax.closed_call_p] = _closed_call_rule
-intervene_rules[_jax.call_p] = _call_rule
-intervene_rules[_jax.remat_p] = _remat_rule
-intervene_rules[_jax.scan_p] = _scan_rule
-intervene_rules[_jax.while_p] = _while_rule
-intervene_rules[_jax.cond_p] = _cond_rule
-intervene_rules[_jax.custom_jvp_call_p] = _custom_jvp_rule
-intervene_rules[_jax.custom_vjp_call_p] = _custom_vjp_rule
 
 
 # ----------------------------------------------------------------------------

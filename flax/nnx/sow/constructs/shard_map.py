@@ -12,7 +12,8 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""The capture rule for ``shard_map``, and so for ``pmap``.
+
+"""``jax.shard_map`` (and so ``jax.pmap``): capture, intervene, and vmap.
 
 JAX stages ``jax.pmap`` as a ``jit`` of a ``shard_map``, so this one rule
 covers both. A value sown inside a ``shard_map`` body is per shard. The
@@ -31,7 +32,7 @@ invariant is sown as varying: the body is first marked by ``control.py``.
 
 A reduced name keeps one accumulator per shard the same way: outside, it has
 the leading axes of the union of the axes its sites vary over
-(:class:`capture.ShardAxes`); it enters the body split by the same spec, so
+(:class:`~flax.nnx.sow.collect.ShardAxes`); it enters the body split by the same spec, so
 each shard folds only its own values. A name new in the scope starts from
 ``init_fn()`` run on every shard by a ``shard_map`` with no inputs (the
 function was traced inside the body, under its mesh). Such a name may not
@@ -40,8 +41,12 @@ another.
 
 ``jax.vmap`` of a ``shard_map`` batches its body, so a value sown there would
 come back with the mapped axis after the mesh axes: a plain sow so batched
-(directly, or hoisted out of a ``scan``/``cond`` by ``batching.py``) raises
+(directly, or hoisted out of a ``scan``/``cond`` by ``scan.py``/``cond.py``) raises
 while a capture stages it.
+
+``intervene``: a callable replacement is applied to each shard's value; an
+array replacement raises ``NotImplementedError`` (replace the value outside
+the ``shard_map``).
 """
 
 from __future__ import annotations
@@ -56,26 +61,26 @@ from jax.sharding import PartitionSpec
 from flax.nnx.sow import _jax
 from flax.nnx.sow import _jax_patches
 from flax.nnx.sow import control as control_lib
-
-# Its scan/cond batching rules must be installed before the ones below wrap
-# them.
-from flax.nnx.sow import batching as _batching_rules  # noqa: F401
-from flax.nnx.sow.capturing import Collector
-from flax.nnx.sow.capturing import accepts
-from flax.nnx.sow.capturing import Layout
-from flax.nnx.sow.capturing import ShardAxes
-from flax.nnx.sow.capturing import SowSite
-from flax.nnx.sow.capturing import cached
-from flax.nnx.sow.capturing import collect_rules
-from flax.nnx.sow.capturing import construct_names
-from flax.nnx.sow.capturing import eval_collecting
-from flax.nnx.sow.capturing import site_annotations
-from flax.nnx.sow.capturing import sow_sites
+from flax.nnx.sow import reductions
+from flax.nnx.sow.collect import Collector
+from flax.nnx.sow.collect import Layout
+from flax.nnx.sow.collect import ShardAxes
+from flax.nnx.sow.collect import cached
+from flax.nnx.sow.collect import collect_rules
+from flax.nnx.sow.collect import eval_collecting
+from flax.nnx.sow.inject import cached_rewrite
+from flax.nnx.sow.inject import eval_intervening
+from flax.nnx.sow.inject import intervene_rules
 from flax.nnx.sow.primitive import MARKER_KINDS
 from flax.nnx.sow.primitive import sow_p
+from flax.nnx.sow.primitive import staging_active
 from flax.nnx.sow.primitive import staging_captures
-from flax.nnx.sow import reductions
 from flax.nnx.sow.reductions import Accumulator
+from flax.nnx.sow.sites import SowSite
+from flax.nnx.sow.sites import accepts
+from flax.nnx.sow.sites import construct_names
+from flax.nnx.sow.sites import site_annotations
+from flax.nnx.sow.sites import sow_sites
 
 
 def _manual_axes(params) -> tuple[tuple[str, int], ...]:
@@ -95,7 +100,7 @@ def _varying(params, avals) -> frozenset[str]:
 def _annotate(eqn: _jax.JaxprEqn, site: SowSite) -> SowSite:
   if site.sharded is not None:
     # Sown in a nested shard_map; the rule of the outer one refuses reduced
-    # names there (see ``_shard_map_rule``).
+    # names there (see ``_shard_map_capture``).
     return site
   sow = site.eqn
   n = len(sow.invars) - sow.params['n_closure']
@@ -121,7 +126,7 @@ def _marked(params) -> control_lib.Marked:
   )
 
 
-def _shard_map_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
+def _shard_map_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
   if eqn.params['check_vma']:
     # Sows of values that differ per shard through control flow read a
     # ``pvary`` of them, so their types say so (``control.py``).
@@ -337,7 +342,9 @@ def _rewrite_body(body: _jax.Jaxpr, accepts_key, specs, params):
   return jaxpr, consts, const_specs, acc_specs, extra_specs, layout
 
 
-collect_rules[_jax.shard_map_p] = _shard_map_rule
+collect_rules[_jax.shard_map_p] = _shard_map_capture
+
+
 construct_names[_jax.shard_map_p] = '`jax.shard_map`'
 
 
@@ -428,6 +435,49 @@ def _loop_batch(original, axis_data, args, dims, **params):
 
 
 _jax_patches.register('batch_shard_map', _batch_shard_map)
+
+
 _jax.wrap_rule(_jax.fancy_primitive_batchers, sow_p, _sow_batch)
+
+
 _jax_patches.register('scan_batching_shard_map', _loop_batch)
+
+
 _jax_patches.register('cond_batching_shard_map', _loop_batch)
+
+
+def _shard_map_intervene(injector, eqn, invals):
+  p = eqn.params
+  body = p['jaxpr']
+  counts = injector.consumed(body)
+  if any(counts.values()):
+    name = next(n for n, c in counts.items() if c)
+    site = next(s for s in sow_sites(body) if s.name == name)
+    raise NotImplementedError(
+        f'intervene: sow {name!r}{site.where} is inside `jax.shard_map` (or'
+        ' `jax.pmap`), where array replacements are not supported yet. Pass'
+        " a callable (values[name] = fn, applied to each shard's value), or"
+        ' replace the value outside the shard_map.'
+    )
+  mesh, manual, check_vma = p['mesh'], p['newly_manual_axes'], p['check_vma']
+
+  def build():
+    def fn(*args):
+      return eval_intervening(body, (), args, injector.inner((), []))
+
+    with _jax.shard_map_context(mesh, manual, check_vma):
+      closed = _jax.trace_to_closed_jaxpr(
+          fn, body.in_avals, 'shard_map_intervene'
+      )
+      return _jax.close_over_nothing(closed)
+
+  key = ('intervene_shard_map', injector.accepts_key, staging_active())
+  jaxpr, consts = cached_rewrite(
+      body, key, injector.fns_in(body), build, injector.token
+  )
+  const_specs = tuple(_jax.replicated_spec(_jax.typeof(c)) for c in consts)
+  new_params = dict(p, jaxpr=jaxpr, in_specs=(*const_specs, *p['in_specs']))
+  return _jax.bind_equation(eqn.replace(params=new_params), [*consts, *invals])
+
+
+intervene_rules[_jax.shard_map_p] = _shard_map_intervene

@@ -12,101 +12,55 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""Capture rules for call-like higher-order primitives.
 
-One rule per primitive, registered in ``capture.collect_rules``: ``jit``,
-``closed_call``/``call``, ``custom_jvp_call``, ``custom_vjp_call``,
-``remat_opt`` (the forward pass of ``custom_vjp(optimize_remat=True)``),
-``custom_vmap_call`` and ``remat``. Each re-binds its primitive with a rewritten sub-jaxpr that takes
-the accumulators of reduced names as leading inputs and returns the collected
-values as trailing outputs (see ``capture.Layout``). Loops and branches are in
-``loops.py``.
+"""Custom derivatives: ``custom_jvp``, ``custom_vjp`` (also with
+``optimize_remat=True``) and ``custom_vmap``.
+
+What a sow inside does:
+
+* In the primal body of a ``custom_jvp``/``custom_vjp`` call: collected with
+  the primal values. The call is re-bound with the rewritten body; its JVP
+  or fwd/bwd rule is wrapped so that it never collects the body's sows a
+  second time (:func:`_without_repeated_sows`).
+* Under differentiation, a rule that does not call the primal (the JVP or
+  ``fwd`` computes the value itself): while a capture stages, the
+  differentiated call stages its body and its rule; the names only the body
+  sows are collected by evaluating the body once on the primal values, the
+  names the rule sows come from the rule (``custom_jvp_bind`` and
+  ``custom_vjp_bind`` in the patch inventory). Elsewhere JAX's own path.
+* ``custom_vjp(optimize_remat=True)`` (``remat_opt``): the forward rule's
+  primal outputs carry the sows. A forward rule that skips the primal under
+  AD raises ``NotImplementedError`` naming the sow.
+* ``custom_vmap``: the primal body's sows; under ``vmap``, the rule's.
 """
 
 from __future__ import annotations
 
+import functools
+
 
 from flax.nnx.sow import _jax
-from flax.nnx.sow.capturing import Collector
-from flax.nnx.sow.capturing import cached
-from flax.nnx.sow.capturing import is_array
-from flax.nnx.sow.capturing import collect_rules
-from flax.nnx.sow.capturing import construct_names
-from flax.nnx.sow.capturing import eval_collecting
-from flax.nnx.sow.invariance import without_staged_sows
-from flax.nnx.sow.loops import _hoisted  # pylint: disable=protected-access
+from flax.nnx.sow import _jax_patches
+from flax.nnx.sow.collect import Collector
+from flax.nnx.sow.collect import cached
+from flax.nnx.sow.collect import collect_rules
+from flax.nnx.sow.collect import eval_collecting
+from flax.nnx.sow.collect import is_array
+from flax.nnx.sow.constructs.adapter import hoisted
+from flax.nnx.sow.inject import Injector
+from flax.nnx.sow.inject import eval_intervening
+from flax.nnx.sow.inject import intervene_rules
+from flax.nnx.sow.inject import one_body
+from flax.nnx.sow.primitive import staging_active
+from flax.nnx.sow.sites import construct_names
+from flax.nnx.sow.sites import sow_sites
+from flax.nnx.sow.sites import without_staged_sows
+from flax.nnx.sow.sites import without_value_sows_named
 
 
 def _split(outs, n):
   outs = list(outs)
   return outs[:n], outs[n:]
-
-
-# ----------------------------------------------------------------------------
-# jit: re-bound as a jit (never inlined), so it stays compiled and cached.
-
-
-def _jit_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
-  p = eqn.params
-  new_jaxpr, layout, acc_in = collector.prepare(p['jaxpr'], python_folds=True)
-  n_acc, n_extra = len(acc_in), layout.num_extra
-  outs = _jax.jit_p.bind(
-      *acc_in,
-      *invals,
-      **dict(
-          p,
-          jaxpr=new_jaxpr,
-          in_shardings=(_jax.UNSPECIFIED,) * n_acc + tuple(p['in_shardings']),
-          out_shardings=tuple(p['out_shardings'])
-          + (_jax.UNSPECIFIED,) * n_extra,
-          in_layouts=(None,) * n_acc + tuple(p['in_layouts']),
-          out_layouts=tuple(p['out_layouts']) + (None,) * n_extra,
-          donated_invars=(False,) * n_acc + tuple(p['donated_invars']),
-      ),
-  )
-  return collector.split_outputs(layout, outs, len(eqn.outvars))
-
-
-collect_rules[_jax.jit_p] = _jit_rule
-construct_names[_jax.jit_p] = '`jax.jit`'
-
-
-# ----------------------------------------------------------------------------
-# closed_call / call: a plain call has no boundary worth keeping; evaluate its
-# body in place.
-
-
-def _closed_call_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
-  closed = eqn.params['call_jaxpr']
-  return eval_collecting(closed.jaxpr, closed.consts, invals, collector)
-
-
-def _call_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
-  return eval_collecting(eqn.params['call_jaxpr'], (), invals, collector)
-
-
-collect_rules[_jax.closed_call_p] = _closed_call_rule
-collect_rules[_jax.call_p] = _call_rule
-
-
-# ----------------------------------------------------------------------------
-# remat: the policy and flags are kept. Under differentiation the sow (an
-# effectful equation) runs in the forward pass only, so it is collected once.
-
-
-def _remat_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
-  p = eqn.params
-  closed = _jax.ClosedJaxpr(p['jaxpr'], ())
-  new_jaxpr, layout, acc_in = collector.prepare(closed)
-  open_jaxpr, consts = _jax.close_over_nothing(new_jaxpr)
-  outs = _jax.remat_p.bind(
-      *consts, *acc_in, *invals, **dict(p, jaxpr=open_jaxpr)
-  )
-  return collector.split_outputs(layout, outs, len(eqn.outvars))
-
-
-collect_rules[_jax.remat_p] = _remat_rule
-construct_names[_jax.remat_p] = '`jax.checkpoint`'
 
 
 # ----------------------------------------------------------------------------
@@ -188,7 +142,7 @@ def _without_repeated_sows(accepts_key, layout, rule, args, what):
 # from the rewritten body) with zero tangents.
 
 
-def _custom_jvp_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
+def _custom_jvp_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
   p = eqn.params
   new_jaxpr, layout, acc_in = collector.prepare(p['call_jaxpr'])
   n_acc, n_out = len(acc_in), len(eqn.outvars)
@@ -228,7 +182,9 @@ def _custom_jvp_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
   return collector.split_outputs(layout, outs, n_out)
 
 
-collect_rules[_jax.custom_jvp_call_p] = _custom_jvp_rule
+collect_rules[_jax.custom_jvp_call_p] = _custom_jvp_capture
+
+
 construct_names[_jax.custom_jvp_call_p] = '`jax.custom_jvp`'
 
 
@@ -239,7 +195,7 @@ construct_names[_jax.custom_jvp_call_p] = '`jax.custom_jvp`'
 # original outputs and returning zero cotangents for the accumulators.
 
 
-def _custom_vjp_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
+def _custom_vjp_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
   p = eqn.params
   new_jaxpr, layout, acc_in = collector.prepare(p['call_jaxpr'])
   acc_avals = [_jax.typeof(x) for x in acc_in]
@@ -282,7 +238,9 @@ def _custom_vjp_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
   return collector.split_outputs(layout, outs, n_out)
 
 
-collect_rules[_jax.custom_vjp_call_p] = _custom_vjp_rule
+collect_rules[_jax.custom_vjp_call_p] = _custom_vjp_capture
+
+
 construct_names[_jax.custom_vjp_call_p] = '`jax.custom_vjp`'
 
 
@@ -322,15 +280,17 @@ def bind_remat_opt(fwd: _jax.ClosedJaxpr, args, num_res: int) -> list:
   )
 
 
-def _remat_opt_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
+def _remat_opt_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
   p = eqn.params
   new_jaxpr, layout, acc_in = collector.prepare(p['fwd_jaxpr'])
-  fwd, consts = _hoisted(new_jaxpr)
+  fwd, consts = hoisted(new_jaxpr)
   outs = bind_remat_opt(fwd, [*consts, *acc_in, *invals], p['num_res'])
   return collector.split_outputs(layout, outs, len(eqn.outvars))
 
 
-collect_rules[_jax.remat_opt_p] = _remat_opt_rule
+collect_rules[_jax.remat_opt_p] = _remat_opt_capture
+
+
 construct_names[_jax.remat_opt_p] = '`jax.custom_vjp` (optimize_remat=True)'
 
 
@@ -434,10 +394,10 @@ class CollectingVmapRule:
     return leaves, batched
 
 
-def _custom_vmap_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
+def _custom_vmap_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
   p = eqn.params
   new_jaxpr, layout, acc_in = collector.prepare(p['call'])
-  call, consts = _hoisted(new_jaxpr)
+  call, consts = hoisted(new_jaxpr)
   n_out = len(eqn.outvars)
   extra_avals = call.out_avals[n_out : n_out + layout.num_entry_leaves]
   sites = collector.accepted_sites([p['call']])
@@ -455,5 +415,253 @@ def _custom_vmap_rule(collector: Collector, eqn: _jax.JaxprEqn, invals):
   return collector.split_outputs(layout, outs, n_out)
 
 
-collect_rules[_jax.custom_vmap_p] = _custom_vmap_rule
+collect_rules[_jax.custom_vmap_p] = _custom_vmap_capture
+
+
 construct_names[_jax.custom_vmap_p] = '`jax.custom_batching.custom_vmap`'
+
+
+def _custom_jvp_intervene(injector, eqn, invals):
+  p = eqn.params
+  new, reps = one_body(injector, p['call_jaxpr'])
+  n_orig, n_out = len(invals), len(eqn.outvars)
+  _, orig_jvp = eqn.primitive.get_bind_params(p)['subfuns']
+
+  def fun(*args):
+    return _jax.eval_closed(new, args)
+
+  def jvp(*xs):
+    primals, tangents = xs[: len(xs) // 2], xs[len(xs) // 2 :]
+    out = list(orig_jvp.call_wrapped(*primals[:n_orig], *tangents[:n_orig]))
+    # The custom rule gives the tangents (a replacement inside has none);
+    # the primal outputs are those of the body with its sows replaced.
+    return [*_jax.eval_closed(new, primals), *out[n_out:]]
+
+  n_in = n_orig + len(reps)
+  return _jax.custom_jvp_call_p.bind(
+      *invals,
+      *reps,
+      subfuns=(
+          _jax.wrap_init(fun, 'custom_jvp_intervene', n_in),
+          _jax.wrap_init(jvp, 'custom_jvp_intervene_jvp', 2 * n_in),
+      ),
+      symbolic_zeros=p['symbolic_zeros'],
+  )
+
+
+def _custom_vjp_intervene(injector, eqn, invals):
+  p = eqn.params
+  new, reps = one_body(injector, p['call_jaxpr'])
+  rep_avals = [_jax.typeof(x) for x in reps]
+  n_orig, n_out = len(invals), len(eqn.outvars)
+  _, orig_fwd, orig_bwd = eqn.primitive.get_bind_params(p)['subfuns']
+
+  def fun(*args):
+    return _jax.eval_closed(new, args)
+
+  def fwd(*args):
+    res_and_outs = list(orig_fwd.call_wrapped(*args[: 2 * n_orig]))
+    outs = _jax.eval_closed(new, args[::2])
+    return [*res_and_outs[: len(res_and_outs) - n_out], *outs]
+
+  def bwd(*args):
+    cts = list(orig_bwd.call_wrapped(*args))
+    return [*cts, *(_jax.Zero(a.to_tangent_aval()) for a in rep_avals)]
+
+  n_in = n_orig + len(reps)
+  return _jax.custom_vjp_call_p.bind(
+      *invals,
+      *reps,
+      subfuns=(
+          _jax.wrap_init(fun, 'custom_vjp_intervene', n_in),
+          _jax.wrap_init(fwd, 'custom_vjp_intervene_fwd', 2 * n_in),
+          _jax.wrap_init(bwd, 'custom_vjp_intervene_bwd', 0),
+      ),
+      out_trees=p['out_trees'],
+      symbolic_zeros=p['symbolic_zeros'],
+  )
+
+
+def _remat_opt_intervene(injector, eqn, invals):
+  # The forward pass of ``custom_vjp(optimize_remat=True)`` under
+  # differentiation: its sows see primal values and are replaced there.
+  # See ``rules.py`` for the parameters.
+  new, reps = one_body(injector, eqn.params['fwd_jaxpr'])
+  new, consts = hoisted(new)
+  return bind_remat_opt(new, [*consts, *invals, *reps], eqn.params['num_res'])
+
+
+class _InterveningVmapRule:
+  """The vmap rule of a ``custom_vmap_call`` whose body intervene rewrote.
+
+  Batched, the user's ``rule`` runs instead of the body, and its sows are
+  replaced by the callables of ``fns``, as under a ``jax.vmap`` inside
+  ``intervene``. Array replacements (``n_reps`` trailing arguments) were laid
+  out for the body's sows, so they are an error here.
+  """
+
+  def __init__(
+      self, rule, in_tree, out_tree, n_lead, n_reps, fns, accepts_key, sites
+  ):
+    self.rule = rule
+    self.in_tree = in_tree
+    self.out_tree = out_tree
+    self.n_lead = n_lead  # constants of the rewrite, before the arguments
+    self.n_reps = n_reps
+    self.fns = fns
+    self.accepts_key = accepts_key
+    self.sites = sites  # the replaced sites of the body, for errors
+
+  def __str__(self):
+    return str(self.rule)
+
+  def __call__(self, axis_size, in_batched, *args):
+    if self.n_reps:
+      site = self.sites[0]
+      raise NotImplementedError(
+          f'intervene: sow {site.name!r}{site.where} is inside a'
+          ' `jax.custom_batching.custom_vmap` function that `jax.vmap` maps'
+          ' over from outside intervene, so its vmap rule runs instead of'
+          ' the function, and an array replacement laid out for the'
+          " function's sows cannot be matched to the rule's. Pass a callable"
+          ' (values[name] = fn, applied to what the rule sows), or put the'
+          ' vmap inside intervene.'
+      )
+    end = len(args) - self.n_reps
+    flags = list(in_batched[self.n_lead : end])
+    values = list(args[self.n_lead : end])
+    closed, box = stage_vmap_rule(
+        self.rule, self.in_tree, self.out_tree, axis_size, flags, values
+    )
+    injector = Injector(self.accepts_key, dict(self.fns), strict=False)
+    outs = eval_intervening(closed.jaxpr, closed.consts, values, injector)
+    return outs, box[-1]
+
+
+def _custom_vmap_intervene(injector, eqn, invals):
+  # Unbatched, the body runs with its sows replaced; batched, the user's
+  # vmap rule runs, with the callables applied to its sows.
+  p = eqn.params
+  new, reps = one_body(injector, p['call'])
+  new, consts = hoisted(new)
+  sites = [
+      s for s in sow_sites(p['call'].jaxpr) if injector.targets(s.eqn.params)
+  ]
+  rule = _InterveningVmapRule(
+      p['rule'],
+      p['in_tree'],
+      p['out_tree'],
+      len(consts),
+      len(reps),
+      injector.fns_in(p['call'].jaxpr),
+      injector.accepts_key,
+      sites,
+  )
+  return _jax.bind_custom_vmap(new, [*consts, *invals, *reps], rule)
+
+
+intervene_rules[_jax.custom_vmap_p] = _custom_vmap_intervene
+
+
+intervene_rules[_jax.remat_opt_p] = _remat_opt_intervene
+
+
+intervene_rules[_jax.custom_jvp_call_p] = _custom_jvp_intervene
+
+
+intervene_rules[_jax.custom_vjp_call_p] = _custom_vjp_intervene
+
+
+def _value_sow_names(closed: _jax.ClosedJaxpr) -> frozenset:
+  return frozenset(
+      s.name for s in sow_sites(closed.jaxpr) if s.kind == 'value'
+  )
+
+
+def _holds_remat_opt(jaxpr: _jax.Jaxpr) -> bool:
+  return any(
+      eqn.primitive is _jax.remat_opt_p
+      or any(_holds_remat_opt(j) for j in _jax.jaxprs_in_params(eqn.params))
+      for eqn in jaxpr.eqns
+  )
+
+
+def _staged(call, fun, avals, name) -> _jax.ClosedJaxpr:
+  """``call`` (which calls the ``lu.WrappedFun`` ``fun``) staged at
+  ``avals``; the auxiliary outputs ``fun`` records are forgotten, so that
+  JAX can call it again."""
+  closed = _jax.trace_to_closed_jaxpr(call, avals, name)
+  _jax.reset_stores(fun)
+  return closed
+
+
+def _staged_rule(primitive, trace, args, params) -> _jax.ClosedJaxpr:
+  """The rule the differentiating ``trace`` will run, staged as it calls it:
+  ``jvp`` on primals and (instantiated) tangents, ``fwd`` on primals with
+  flags saying which of them have tangents."""
+  pairs = [trace.to_primal_tangent_pair(x) for x in args]
+  avals = [_jax.typeof(p) for p, _ in pairs]
+  rule = params['subfuns'][1]
+  if primitive is _jax.custom_jvp_call_p:
+    tangents = [a.to_tangent_aval() for a in avals]
+    return _staged(rule.call_wrapped, rule, [*avals, *tangents], 'custom_jvp')
+  flags = [type(t) is not _jax.Zero for _, t in pairs]
+
+  def fwd(*primals):
+    return rule.call_wrapped(
+        *[v for p, nz in zip(primals, flags) for v in (p, nz)]
+    )
+
+  return _staged(fwd, rule, avals, 'custom_vjp_fwd')
+
+
+def _differentiated_custom_call(
+    primitive, original, trace, args, avals, params, /
+):
+  if not (staging_active() and _jax.is_differentiating(trace)):
+    return original(trace, args, avals, params)
+  if not any(_jax.has_tangent(trace, x) for x in args):
+    return original(trace, args, avals, params)  # the rule does not run
+  fun = params['subfuns'][0]
+  primals = [_jax.primal_of(trace, x) for x in args]
+  with _jax.set_current_trace(trace.parent_trace):
+    body = _staged(
+        fun.call_wrapped, fun, [_jax.typeof(x) for x in primals], 'primal'
+    )
+    names = _value_sow_names(body)
+    if names:
+      rule = _staged_rule(primitive, trace, args, params)
+      in_rule = _value_sow_names(rule)
+  if not names or names <= in_rule:
+    return original(trace, args, avals, params)
+  if _holds_remat_opt(rule.jaxpr):
+    # custom_vjp(optimize_remat=True): JAX may run the primal function in
+    # place of fwd (when its residuals are unused), with the body's sows, so
+    # neither collecting them here nor leaving them collects them once.
+    missing = sorted(map(repr, names - in_rule))
+    raise NotImplementedError(
+        f'sow {", ".join(missing)}: a capture cannot collect the sows of a'
+        ' `jax.custom_vjp` function defined with optimize_remat=True whose'
+        ' fwd rule does not call the function, under differentiation: JAX'
+        ' may run the function in place of fwd, or not. Call the function'
+        ' in fwd (fwd = lambda x: (f(x), residuals)), or drop'
+        ' optimize_remat=True.'
+    )
+  # The rule does not run (all of) the body: collect what it misses from the
+  # body itself, once, with the primal values.
+  body = without_value_sows_named(body, in_rule)
+  with _jax.set_current_trace(trace.parent_trace):
+    _jax.eval_into_current_trace(body.jaxpr, body.consts, primals)
+  return original(trace, args, avals, params)
+
+
+_jax_patches.register(
+    'custom_jvp_bind',
+    functools.partial(_differentiated_custom_call, _jax.custom_jvp_call_p),
+)
+
+
+_jax_patches.register(
+    'custom_vjp_bind',
+    functools.partial(_differentiated_custom_call, _jax.custom_vjp_call_p),
+)

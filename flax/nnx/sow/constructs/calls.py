@@ -1,0 +1,174 @@
+# Copyright 2026 The Flax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+
+"""``jit``, ``closed_call``, ``call`` and ``remat`` (``jax.checkpoint``).
+
+What a sow inside does:
+
+* ``jax.jit``: the call is re-bound as a ``jit`` (never inlined), so it stays
+  compiled and cached; its sows become trailing outputs (capture) or its
+  replacements trailing inputs (intervene), with shardings and layouts
+  extended by :func:`~flax.nnx.sow.constructs.adapter.jit_params`.
+* ``closed_call``/``call``: no boundary worth keeping; the body is evaluated
+  in place.
+* ``jax.checkpoint``: the policy and flags are kept. Under differentiation
+  the sow (an effectful equation) runs in the forward pass only, so it is
+  collected once.
+"""
+
+from __future__ import annotations
+
+
+
+from flax.nnx.sow import _jax
+from flax.nnx.sow.collect import Collector
+from flax.nnx.sow.collect import collect_rules
+from flax.nnx.sow.collect import eval_collecting
+from flax.nnx.sow.constructs.adapter import hoisted
+from flax.nnx.sow.inject import eval_intervening
+from flax.nnx.sow.inject import intervene_rules
+from flax.nnx.sow.inject import one_body
+from flax.nnx.sow.sites import construct_names
+
+
+# ----------------------------------------------------------------------------
+# jit: re-bound as a jit (never inlined), so it stays compiled and cached.
+
+
+def _jit_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
+  p = eqn.params
+  new_jaxpr, layout, acc_in = collector.prepare(p['jaxpr'], python_folds=True)
+  n_acc, n_extra = len(acc_in), layout.num_extra
+  outs = _jax.jit_p.bind(
+      *acc_in,
+      *invals,
+      **dict(
+          p,
+          jaxpr=new_jaxpr,
+          in_shardings=(_jax.UNSPECIFIED,) * n_acc + tuple(p['in_shardings']),
+          out_shardings=tuple(p['out_shardings'])
+          + (_jax.UNSPECIFIED,) * n_extra,
+          in_layouts=(None,) * n_acc + tuple(p['in_layouts']),
+          out_layouts=tuple(p['out_layouts']) + (None,) * n_extra,
+          donated_invars=(False,) * n_acc + tuple(p['donated_invars']),
+      ),
+  )
+  return collector.split_outputs(layout, outs, len(eqn.outvars))
+
+
+collect_rules[_jax.jit_p] = _jit_capture
+
+
+construct_names[_jax.jit_p] = '`jax.jit`'
+
+
+# ----------------------------------------------------------------------------
+# closed_call / call: a plain call has no boundary worth keeping; evaluate its
+# body in place.
+
+
+def _closed_call_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
+  closed = eqn.params['call_jaxpr']
+  return eval_collecting(closed.jaxpr, closed.consts, invals, collector)
+
+
+def _call_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
+  return eval_collecting(eqn.params['call_jaxpr'], (), invals, collector)
+
+
+collect_rules[_jax.closed_call_p] = _closed_call_capture
+
+
+collect_rules[_jax.call_p] = _call_capture
+
+
+# ----------------------------------------------------------------------------
+# remat: the policy and flags are kept. Under differentiation the sow (an
+# effectful equation) runs in the forward pass only, so it is collected once.
+
+
+def _remat_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
+  p = eqn.params
+  closed = _jax.ClosedJaxpr(p['jaxpr'], ())
+  new_jaxpr, layout, acc_in = collector.prepare(closed)
+  open_jaxpr, consts = _jax.close_over_nothing(new_jaxpr)
+  outs = _jax.remat_p.bind(
+      *consts, *acc_in, *invals, **dict(p, jaxpr=open_jaxpr)
+  )
+  return collector.split_outputs(layout, outs, len(eqn.outvars))
+
+
+collect_rules[_jax.remat_p] = _remat_capture
+
+
+construct_names[_jax.remat_p] = '`jax.checkpoint`'
+
+
+def _jit_intervene(injector, eqn, invals):
+  p = eqn.params
+  new, reps = one_body(injector, p['jaxpr'])
+  # Constants of the rewrite (e.g. tracers a callable closes over) enter as
+  # leading arguments.
+  new, consts = hoisted(new)
+  n, k = len(reps), len(consts)
+  return _jax.jit_p.bind(
+      *consts,
+      *invals,
+      *reps,
+      **dict(
+          p,
+          jaxpr=new,
+          in_shardings=(
+              *(_jax.UNSPECIFIED,) * k,
+              *p['in_shardings'],
+              *(_jax.UNSPECIFIED,) * n,
+          ),
+          in_layouts=(*(None,) * k, *p['in_layouts'], *(None,) * n),
+          donated_invars=(
+              *(False,) * k,
+              *p['donated_invars'],
+              *(False,) * n,
+          ),
+      ),
+  )
+
+
+def _closed_call_intervene(injector, eqn, invals):
+  closed = eqn.params['call_jaxpr']
+  return eval_intervening(closed.jaxpr, closed.consts, invals, injector)
+
+
+def _call_intervene(injector, eqn, invals):
+  return eval_intervening(eqn.params['call_jaxpr'], (), invals, injector)
+
+
+def _remat_intervene(injector, eqn, invals):
+  p = eqn.params
+  new, reps = one_body(injector, _jax.ClosedJaxpr(p['jaxpr'], ()))
+  jaxpr, consts = _jax.close_over_nothing(new)
+  # close_over_nothing puts the constants first.
+  return _jax.remat_p.bind(*consts, *invals, *reps, **dict(p, jaxpr=jaxpr))
+
+
+intervene_rules[_jax.jit_p] = _jit_intervene
+
+
+intervene_rules[_jax.closed_call_p] = _closed_call_intervene
+
+
+intervene_rules[_jax.call_p] = _call_intervene
+
+
+intervene_rules[_jax.remat_p] = _remat_intervene

@@ -1,0 +1,576 @@
+# Copyright 2026 The Flax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+
+"""``lax.cond`` and ``lax.switch``.
+
+What a sow inside does:
+
+* **Capture**: every branch returns the same extra outputs
+  (:func:`align_branches`); a branch that does not sow a reduced name passes
+  its accumulator through, and every branch must sow the same plain names
+  with the same types. A name first sown in a ``cond`` starts from the
+  ``init_fn`` of the branch written first (``true_fun``, branch 0 of
+  ``switch``).
+* **Intervene**: replacements enter as extra operands of every branch.
+* **Under ``vmap`` on a batched predicate**: JAX runs every branch and
+  selects; plain sows are hoisted out and the selected branch's value is
+  sown again after the ``cond`` (``batched.py``); reduced sows fold with a
+  mask, so an untaken branch leaves the accumulator as it was.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import typing as tp
+
+import jax
+import jax.numpy as jnp
+
+from flax.nnx.sow import _jax
+from flax.nnx.sow import _jax_patches
+from flax.nnx.sow import reductions
+from flax.nnx.sow.collect import Collector
+from flax.nnx.sow.collect import Layout
+from flax.nnx.sow.collect import cached
+from flax.nnx.sow.collect import collect_rules
+from flax.nnx.sow.collect import rewrite_jaxpr
+from flax.nnx.sow.constructs.adapter import branches_hoisted
+from flax.nnx.sow.constructs.batched import has_plain_sows
+from flax.nnx.sow.constructs.batched import mark_order
+from flax.nnx.sow.constructs.batched import sow_again
+from flax.nnx.sow.control import NO_AXES
+from flax.nnx.sow.control import control_axes
+from flax.nnx.sow.control import control_rules
+from flax.nnx.sow.control import passes_through
+from flax.nnx.sow.control import union
+from flax.nnx.sow.inject import intervene_rules
+from flax.nnx.sow.primitive import MARKER_KINDS
+from flax.nnx.sow.primitive import Reduction
+from flax.nnx.sow.primitive import bind_sow
+from flax.nnx.sow.primitive import intervening
+from flax.nnx.sow.primitive import mapped_axis_first
+from flax.nnx.sow.primitive import sow_p
+from flax.nnx.sow.primitive import staging_captures
+from flax.nnx.sow.reductions import strong
+from flax.nnx.sow.sites import PLAIN_SOWS
+from flax.nnx.sow.sites import accepts
+from flax.nnx.sow.sites import construct_names
+from flax.nnx.sow.sites import site_annotations
+from flax.nnx.sow.sites import sow_sites
+
+
+# ----------------------------------------------------------------------------
+# cond / switch
+
+
+def _entry_keys(layout: Layout) -> list[tuple[tp.Any, int]]:
+  """``(name, k)`` for the ``k``-th entry of each name, in layout order."""
+  seen = collections.Counter()
+  keys = []
+  for spec in layout.entries:
+    keys.append((spec.name, seen[spec.name]))
+    seen[spec.name] += 1
+  return keys
+
+
+def _branch_mismatch(name, branch, what, sources):
+  where_ = ''
+  for j in sources:
+    sites = [s for s in sow_sites(j.jaxpr) if s.name == name]
+    if sites:
+      where_ = sites[0].where
+      break
+  if len(sources) == 2:
+    # lax.cond(pred, true_fun, false_fun) is a switch on int(pred).
+    label = {
+        0: 'branch 0 (false_fun of lax.cond)',
+        1: 'branch 1 (true_fun of lax.cond)',
+    }
+    what = what.replace('branch 0', label[0])
+    branch = label[branch]
+  else:
+    branch = f'branch {branch}'
+  return ValueError(
+      f'sow {name!r}{where_}: inside `lax.cond`/`lax.switch`, {branch}'
+      f' {what}.'
+      ' Every branch must sow the same plain names, the same number of'
+      ' times, with the same shapes and dtypes, since capture returns the'
+      ' value of the branch taken; sow the same value in every branch (e.g.'
+      ' zeros in the others), or pass reduce_fn/init_fn to reduce it.'
+  )
+
+
+def align_branches(
+    rewritten: tp.Sequence[tuple[_jax.ClosedJaxpr, Layout]],
+    n_out: int,
+    sources: tp.Sequence[_jax.ClosedJaxpr] = (),
+) -> tuple[tuple[_jax.ClosedJaxpr, ...], Layout]:
+  """Branches whose extra outputs line up with the first branch's.
+
+  Args:
+    rewritten: ``(jaxpr, layout)`` of each branch, rewritten with the same
+      reduced specs.
+    n_out: the number of ordinary outputs.
+    sources: the branches before the rewrite (errors say where the
+      mismatched name is sown).
+
+  Returns:
+    The branches, each returning ``[*outputs, *entries, *accumulators]`` with
+    the entries in the first branch's order and without weak types, and the
+    layout they share (names from every branch).
+
+  Raises:
+    ValueError: if the branches do not sow the same plain names the same
+      number of times with the same structure, shapes and dtypes.
+  """
+  placed = []  # per branch: {(name, k): (spec, first output position)}
+  for closed, layout in rewritten:
+    pos, where = n_out, {}
+    for key, spec in zip(_entry_keys(layout), layout.entries):
+      where[key] = (spec, pos)
+      pos += spec.size
+    placed.append(where)
+  keys0 = _entry_keys(rewritten[0][1])
+  first = placed[0]
+  count0 = collections.Counter(spec.name for spec in rewritten[0][1].entries)
+  for i, where in enumerate(placed[1:], 1):
+    count = collections.Counter(spec.name for spec in rewritten[i][1].entries)
+    for name in {**count0, **count}:
+      if count[name] != count0[name]:
+        raise _branch_mismatch(
+            name,
+            i,
+            f'sows it {count[name]} time(s) but branch 0 sows it'
+            f' {count0[name]} time(s)',
+            sources,
+        )
+    for key in keys0:
+      (s0, p0), (si, pi) = first[key], where[key]
+      a0 = _strong_avals(rewritten[0][0].out_avals[p0 : p0 + s0.size])
+      ai = _strong_avals(rewritten[i][0].out_avals[pi : pi + si.size])
+      if s0.treedef != si.treedef or a0 != ai:
+        raise _branch_mismatch(
+            key[0],
+            i,
+            f'sows {si.treedef} of {[a.str_short() for a in ai]} but branch'
+            f' 0 sows {s0.treedef} of {[a.str_short() for a in a0]}',
+            sources,
+        )
+
+  # Inside shard_map, a branch may sow a value that varies over mesh axes
+  # where another sows one that does not (zeros, say): each entry leaf
+  # varies over the axes it varies over in any branch.
+  mesh_order = _jax.current_mesh_axes()
+  varying = {}
+  for key in keys0:
+    per_branch = []
+    for (closed, _), where in zip(rewritten, placed):
+      spec, pos = where[key]
+      per_branch.append(closed.out_avals[pos : pos + spec.size])
+    varying[key] = [
+        tuple(
+            a
+            for a in mesh_order
+            if any(a in _jax.varying_axes(aval) for aval in avals)
+        )
+        for avals in zip(*per_branch)
+    ]
+
+  def build(closed, layout, where):
+    order = list(range(n_out))
+    axes = [()] * n_out
+    for key in keys0:
+      spec, pos = where[key]
+      order.extend(range(pos, pos + spec.size))
+      axes.extend(varying[key])
+    end = n_out + layout.num_entry_leaves
+    order.extend(range(end, end + layout.num_accumulator_leaves))
+    axes.extend([()] * layout.num_accumulator_leaves)
+
+    def fn(*args):
+      outs = _jax.eval_closed(closed, args)
+      return [
+          _jax.pvary(strong(outs[i]), a) if i >= n_out else outs[i]
+          for i, a in zip(order, axes)
+      ]
+
+    return _jax.trace_to_closed_jaxpr(fn, closed.in_avals, 'cond_capture')
+
+  branches = tuple(
+      cached(
+          closed,
+          ('cond', n_out, tuple(keys0)),
+          lambda c=closed, l=layout, w=where: build(c, l, w),
+      )
+      for (closed, layout), where in zip(rewritten, placed)
+  )
+  names = {n: None for _, layout in rewritten for n in layout.names}
+  shared = dataclasses.replace(rewritten[0][1], names=tuple(names))
+  return branches, shared
+
+
+def _strong_avals(avals):
+  # Compared without the mesh axes they vary over (see ``align_branches``).
+  return [_jax.invariant_aval(a.strip_weak_type()) for a in avals]
+
+
+def _cond_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
+  branches = eqn.params['branches']
+  # An index that varies over mesh axes (inside shard_map) picks a branch
+  # per shard, so what the branches sow varies over them too.
+  axes = _jax.varying_axes(_jax.typeof(invals[0]))
+  specs = collector.vary_accumulators(
+      collector.reduced_specs(branches, branches=True), axes
+  )
+  acc_in = collector.accumulator_leaves(specs)
+  n_out = len(eqn.outvars)
+  # A perturb's forward marker returns nothing; one branch may hold it and
+  # another not (its cotangents, if any, are aligned like values).
+  new_branches, layout = align_branches(
+      [_without_markers(*collector.rewrite(b, specs)) for b in branches],
+      n_out,
+      branches,
+  )
+  new_branches, lifted = branches_hoisted(new_branches)
+  index, ops = invals[0], invals[1:]
+  outs = _jax.cond_p.bind(
+      index,
+      *lifted,
+      *acc_in,
+      *ops,
+      **dict(eqn.params, branches=new_branches),
+  )
+  if axes:
+    outs = [*outs[:n_out], *(_jax.pvary(x, tuple(axes)) for x in outs[n_out:])]
+  return collector.split_outputs(layout, outs, n_out)
+
+
+def _without_markers(closed, layout: Layout):
+  entries = tuple(e for e in layout.entries if e.kind != 'perturb')
+  return closed, dataclasses.replace(layout, entries=entries)
+
+
+collect_rules[_jax.cond_p] = _cond_capture
+
+
+construct_names[_jax.cond_p] = '`lax.cond`/`lax.switch`'
+
+
+site_annotations[_jax.cond_p] = lambda eqn, site: control_axes(
+    _jax.varying_axes(eqn.invars[0].aval), site
+)
+
+
+def _cond_control(control, eqn, in_axes, scope, edit):
+  branches = eqn.params['branches']
+  # Each device takes the branch its index picks.
+  taken = _jax.varying_axes(eqn.invars[0].aval) | in_axes[0]
+  outs, new = [], []
+  for branch in branches:
+    o, n = control.jaxpr(branch.jaxpr, in_axes[1:], scope | taken, edit)
+    outs.append(o)
+    new.append(branch if n is None else _jax.ClosedJaxpr(n, branch.consts))
+  jaxprs = [b.jaxpr for b in branches]
+  out_axes = [
+      union(o[j] for o in outs)
+      | (NO_AXES if passes_through(jaxprs, j) else taken)
+      for j in range(len(eqn.outvars))
+  ]
+  if all(n is b for n, b in zip(new, branches)):
+    return out_axes, None
+  return out_axes, eqn.replace(params=dict(eqn.params, branches=tuple(new)))
+
+
+control_rules[_jax.cond_p] = _cond_control
+
+
+def _cond_intervene(injector, eqn, invals):
+  p = eqn.params
+  branches = p['branches']
+  leaves, spec = injector.take(injector.branch_consumed(branches))
+  avals = [_jax.typeof(x) for x in leaves]
+  new = tuple(injector.rewrite(b, spec, avals) for b in branches)
+  new, consts = branches_hoisted(new)
+  index, *ops = invals
+  return _jax.cond_p.bind(
+      index, *consts, *ops, *leaves, **dict(p, branches=new)
+  )
+
+
+intervene_rules[_jax.cond_p] = _cond_intervene
+
+
+def _check_no_enclosing_capture(branches) -> None:
+  """``intervene`` keeps the sows of a cond on a batched predicate in every
+  branch, and vmap runs every branch for every example: a capture around
+  the intervene would collect every branch's value."""
+  for b in branches:
+    for s in sow_sites(b.jaxpr):
+      if s.kind not in MARKER_KINDS and any(
+          accepts(k, s.tag, s.reduction, s.kind, s.name)
+          for k in staging_captures()
+      ):
+        raise NotImplementedError(
+            f'sow {s.name!r}{s.where}: a capture around intervene cannot'
+            ' collect a sow inside `lax.cond`/`lax.switch` on a predicate'
+            ' that `jax.vmap` batches (inside the intervened function): vmap'
+            ' runs every branch for every example, so the capture would get'
+            " every branch's value. Put the vmap around both, as in"
+            ' jax.vmap(capture(intervene(f, values))).'
+        )
+
+
+def _cond_batcher(jax_rule, axis_data, args, dims, *, branches, **params):
+  key = intervening()
+  if key is not None and dims[0] is not None:
+    _check_no_array_replacement(key, branches)
+    _check_no_enclosing_capture(branches)
+  if (
+      dims[0] is None
+      or key is not None
+      or not staging_captures()
+      or not any(sow_sites(b.jaxpr) for b in branches)
+  ):
+    # Nothing a capture could collect: JAX's rule, unchanged.
+    return jax_rule(axis_data, args, dims, branches=branches, **params)
+  # A batched predicate: vmap runs every branch for every example and
+  # selects. Reduced sows are taken out first, each with a mask of the
+  # examples whose branch sowed it; then plain sows, which every branch must
+  # sow alike (the value of the branch taken is selected).
+  n_out = len(branches[0].out_avals)
+  original = branches
+  hoisted = _hoist_reduced(branches)
+  if hoisted is not None:
+    branches, reduced_sites = hoisted
+  else:
+    reduced_sites = []
+  n_kept = len(branches[0].out_avals)  # outputs, then reduced values
+  plain = any(has_plain_sows(b) for b in branches)
+  layout = None
+  if plain:
+    try:
+      branches, layout = align_branches(
+          [rewrite_jaxpr(b, PLAIN_SOWS, ()) for b in branches],
+          n_kept,
+          branches,
+      )
+    except ValueError:
+      # Mismatched branches: outside a capture the sows stay identities in
+      # every branch. Under a capture that collects them, vmap would run
+      # every branch and collect a value for every example, also those that
+      # took another branch, so it is the error it is without vmap.
+      if any(
+          accepts(key, s.tag, s.reduction, s.kind, s.name)
+          for key in staging_captures()
+          for b in branches
+          for s in sow_sites(b.jaxpr)
+          if s.reduction is None and s.kind not in MARKER_KINDS
+      ):
+        raise
+      layout = None
+  if layout is not None or reduced_sites:
+    # The hoisted sows come after the cond; markers before it keep the
+    # names in their order of first sow (branch by branch, as without vmap).
+    mark_order([s for b in original for s in sow_sites(b.jaxpr)])
+  outs, out_dims = jax_rule(axis_data, args, dims, branches=branches, **params)
+  if layout is not None:
+    sow_again(layout, outs[n_kept:], out_dims[n_kept:], axis_data.size)
+  if reduced_sites:
+    index = mapped_axis_first(args[0], dims[0], axis_data.size)
+    _sow_reduced_again(
+        reduced_sites,
+        index,
+        outs[n_out:n_kept],
+        out_dims[n_out:n_kept],
+        axis_data.size,
+    )
+  return outs[:n_out], out_dims[:n_out]
+
+
+def _check_no_array_replacement(key, branches) -> None:
+  """``intervene`` cannot give an array entry to a sow in a batched ``cond``.
+
+  vmap runs every branch and selects, so each branch's sow would take an
+  entry of its own, where ``capture`` collects one value per site.
+  """
+  for b in branches:
+    for s in sow_sites(b.jaxpr):
+      if s.name in key.arrays and key.replaces(s.eqn.params):
+        raise ValueError(
+            f'intervene: sow {s.name!r}{s.where} is inside `lax.cond`/'
+            '`lax.switch` with a predicate batched by `jax.vmap`, which runs'
+            ' every branch, so an array replacement cannot be matched to the'
+            ' branch taken. Pass a callable (values[name] = fn), or put the'
+            ' vmap around intervene.'
+        )
+
+
+# Reduced sows in the branches of a cond on a batched predicate.
+
+
+class _ReducedSite(tp.NamedTuple):
+  branch: int
+  params: dict
+  avals: tuple[tp.Any, ...]
+
+
+def _hoist_reduced(branches):
+  """Branches without their top-level reduced sows, which they return.
+
+  Every branch returns ``[*outputs, *values]`` where ``values`` has one slot
+  per reduced sow of every branch: its own sows' operands, zeros elsewhere.
+  Returns ``None`` if no branch holds a staged reduced sow.
+
+  Raises:
+    NotImplementedError: for a staged reduced sow nested in a construct
+      inside a branch.
+  """
+  edits = []
+  for closed in branches:
+    jaxpr = closed.jaxpr
+    subst, eqns, found, outs = {}, [], [], []
+    for eqn in jaxpr.eqns:
+      p = eqn.params
+      if (
+          eqn.primitive is sow_p
+          and p['reduction'] is not None
+          and p['effect']
+          and not p['remat_copy']
+          and p['kind'] not in MARKER_KINDS
+      ):
+        operands = [
+            subst.get(v, v) if isinstance(v, _jax.Var) else v
+            for v in eqn.invars
+        ]
+        subst.update(zip(eqn.outvars, operands))
+        found.append((p, tuple(v.aval for v in eqn.invars)))
+        outs.extend(operands)
+        continue
+      nested = [
+          s
+          for j in _jax.jaxprs_in_params(p)
+          for s in sow_sites(j)
+          if s.reduction is not None
+          and s.eqn.params['effect']
+          and s.kind not in MARKER_KINDS
+      ]
+      if nested:
+        raise NotImplementedError(
+            f'sow {nested[0].name!r}{nested[0].where}: a reduced sow nested'
+            ' in a construct inside a `lax.cond`/`lax.switch` branch whose'
+            ' predicate `jax.vmap` batches cannot be collected per example.'
+            ' Sow it directly in the branch, or put the vmap around the'
+            ' capture (jax.vmap(capture(f))).'
+        )
+      if subst:
+        eqn = eqn.replace(
+            invars=[
+                subst.get(v, v) if isinstance(v, _jax.Var) else v
+                for v in eqn.invars
+            ]
+        )
+      eqns.append(eqn)
+    outvars = [
+        subst.get(v, v) if isinstance(v, _jax.Var) else v for v in jaxpr.outvars
+    ]
+    edited = _jax.edit_jaxpr(jaxpr, eqns, [*outvars, *outs])
+    edits.append((_jax.ClosedJaxpr(edited, closed.consts), found))
+  if not any(found for _, found in edits):
+    return None
+  sites = [
+      _ReducedSite(b, p, avals)
+      for b, (_, found) in enumerate(edits)
+      for p, avals in found
+  ]
+  n_out = len(branches[0].out_avals)
+  new = []
+  for b, (edited, _) in enumerate(edits):
+
+    def fn(*args, edited=edited, b=b):
+      outs = _jax.eval_closed(edited, args)
+      own = iter(outs[n_out:])
+      values = []
+      for site in sites:
+        for aval in site.avals:
+          values.append(
+              next(own)
+              if site.branch == b
+              else jnp.zeros(aval.shape, aval.dtype)
+          )
+      return [*outs[:n_out], *values]
+
+    new.append(
+        _jax.trace_to_closed_jaxpr(fn, branches[b].in_avals, 'cond_reduced')
+    )
+  return tuple(new), sites
+
+
+def _sow_reduced_again(sites, index, values, dims, axis_size) -> None:
+  """Sows each hoisted reduced value with the mask of its branch's examples.
+
+  ``reduce_fn`` is applied for an example only where the mask is true, so
+  each example folds the sows of the branch it took, as without vmap.
+  """
+  pos = 0
+  for site in sites:
+    n = len(site.avals)
+    leaves = [
+        mapped_axis_first(x, d, axis_size)
+        for x, d in zip(values[pos : pos + n], dims[pos : pos + n])
+    ]
+    pos += n
+    p = site.params
+    batch_dims = p['batch_dims'] + 1
+    mask = index == site.branch
+    if leaves:
+      shape = leaves[0].shape[:batch_dims]
+      mask = jnp.broadcast_to(
+          mask.reshape((axis_size,) + (1,) * (len(shape) - 1)), shape
+      )
+    n_value = len(leaves) - p['n_closure']
+    value = jax.tree_util.tree_unflatten(p['treedef'], leaves[:n_value])
+    packed, treedef = jax.tree_util.tree_flatten((value, mask))
+    original = p['reduction']
+    snapshot = original.snapshot
+    if snapshot is not None:
+      snapshot = reductions.masked(snapshot, n_value)
+    bind_sow(
+        packed,
+        name=p['name'],
+        tag=p['tag'],
+        treedef=treedef,
+        reduction=Reduction(
+            _masked(original.reduce_fn),
+            original.init_fn,
+            snapshot,
+            original.fixed_type,
+        ),
+        kind=p['kind'],
+        batch_dims=batch_dims,
+        closure=leaves[n_value:],
+    )
+
+
+def _masked(reduce_fn):
+  def fold(acc, value_and_mask):
+    value, taken = value_and_mask
+    new = reduce_fn(acc, value)
+    return jax.tree.map(lambda n, a: jnp.where(taken, n, a), new, acc)
+
+  return fold
+
+
+_jax_patches.register('cond_batching', _cond_batcher)

@@ -1,0 +1,286 @@
+# Copyright 2026 The Flax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+
+"""``lax.scan`` (also ``fori_loop`` with static bounds and ``lax.map``).
+
+What a sow inside does:
+
+* **Capture**: a plain sow in the body becomes an extra ``ys`` output, so it
+  comes back stacked along a new leading axis lined up with ``xs``; a
+  reduced name becomes an extra carry.
+* **Intervene**: an array replacement enters as an extra ``xs`` (one row per
+  iteration); a callable is applied in the body.
+* **Under ``vmap``**: plain sows are hoisted out of the batched body and
+  sown again after the loop with the mapped axis first (``batched.py``), so
+  they come back ``(batch, steps, ...)`` like ``vmap``'s outputs.
+* **Under ``grad``/``linearize``/``checkpoint``**: JAX's partial evaluation
+  of ``scan`` moves work that reads only the loop's constants out of the
+  loop. While it does, a staged sow counts as loop-dependent: it stays in
+  the loop with its (hoisted) operands, so it still runs once per iteration
+  at any depth (a ``jit``, a ``custom_jvp`` or a ``cond`` in the body), while
+  its consumers read the operands, so invariant work is still hoisted.
+* Inside ``shard_map``: its rule of ``control.py``'s pass says how a carry
+  that varies over mesh axes makes the outputs vary.
+"""
+
+from __future__ import annotations
+
+import threading
+
+
+from flax.nnx.sow import _jax
+from flax.nnx.sow import _jax_patches
+from flax.nnx.sow.collect import Collector
+from flax.nnx.sow.collect import cached
+from flax.nnx.sow.collect import collect_rules
+from flax.nnx.sow.collect import rewrite_jaxpr
+from flax.nnx.sow.constructs.adapter import hoisted
+from flax.nnx.sow.constructs.adapter import permuted
+from flax.nnx.sow.constructs.batched import has_plain_sows
+from flax.nnx.sow.constructs.batched import mark_order
+from flax.nnx.sow.constructs.batched import sow_again
+from flax.nnx.sow.control import control_rules
+from flax.nnx.sow.inject import intervene_rules
+from flax.nnx.sow.inject import one_body
+from flax.nnx.sow.primitive import intervening
+from flax.nnx.sow.primitive import sow_p
+from flax.nnx.sow.primitive import staging_captures
+from flax.nnx.sow.sites import PLAIN_SOWS
+from flax.nnx.sow.sites import construct_names
+from flax.nnx.sow.sites import sow_sites
+
+
+# ----------------------------------------------------------------------------
+# scan
+
+
+def _scan_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
+  p = eqn.params
+  body = p['jaxpr']
+  n_consts, n_carry = p['num_consts'], p['num_carry']
+  rewritten, layout, acc_in = collector.prepare(body)
+  n_acc = len(acc_in)
+  n_body_in = len(body.in_avals)
+  n_carry_out = n_carry
+  n_ys = len(body.out_avals) - n_carry
+  n_entries = layout.num_entry_leaves
+
+  def build():
+    # rewritten: [acc, consts, carry, xs] -> [carry, ys, entries, acc]
+    # scan body: [consts, acc, carry, xs] -> [acc, carry, ys, entries]
+    in_order = [n_consts + i for i in range(n_acc)] + [
+        i if i < n_consts else i + n_acc for i in range(n_body_in)
+    ]
+    base = n_carry_out + n_ys
+    out_order = (
+        [base + n_entries + i for i in range(n_acc)]
+        + list(range(n_carry_out + n_ys))
+        + [base + i for i in range(n_entries)]
+    )
+    return permuted(rewritten, in_order, out_order, 'scan_capture_body')
+
+  new_body, lifted = hoisted(
+      cached(rewritten, ('scan', n_consts, n_carry, n_acc, n_ys), build)
+  )
+  consts, rest = invals[:n_consts], invals[n_consts:]
+  outs = _jax.scan_p.bind(
+      *lifted,
+      *consts,
+      *acc_in,
+      *rest,
+      **dict(
+          p,
+          jaxpr=new_body,
+          num_consts=len(lifted) + n_consts,
+          num_carry=n_carry + n_acc,
+      ),
+  )
+  acc_out = outs[:n_acc]
+  ordinary = outs[n_acc : n_acc + n_carry + n_ys]
+  entries = outs[n_acc + n_carry + n_ys :]
+  collector.absorb(layout, [*entries, *acc_out])
+  return ordinary
+
+
+collect_rules[_jax.scan_p] = _scan_capture
+
+
+construct_names[_jax.scan_p] = '`lax.scan`'
+
+
+# ----------------------------------------------------------------------------
+# Per-device control flow inside shard_map (``control.py``): a loop or branch
+# whose predicate varies over mesh axes makes its outputs vary over them,
+# whatever their types say, and what it sows.
+
+
+def _scan_control(control, eqn, in_axes, scope, edit):
+  p = eqn.params
+  body = p['jaxpr'].jaxpr
+  n_consts, n_carry = p['num_consts'], p['num_carry']
+  consts = in_axes[:n_consts]
+  carry = in_axes[n_consts : n_consts + n_carry]
+  xs = in_axes[n_consts + n_carry :]
+  carry_avals = [v.aval for v in eqn.outvars[:n_carry]]
+  while True:  # the carries' axes grow until they are a fixed point
+    outs, _ = control.jaxpr(body, [*consts, *carry, *xs], scope, False)
+    grown = [
+        (c | o) - _jax.varying_axes(a)
+        for c, o, a in zip(carry, outs[:n_carry], carry_avals)
+    ]
+    if grown == carry:
+      break
+    carry = grown
+  outs, new = control.jaxpr(body, [*consts, *carry, *xs], scope, edit)
+  out_axes = [*carry, *outs[n_carry:]]
+  if new is None:
+    return out_axes, None
+  jaxpr = _jax.ClosedJaxpr(new, p['jaxpr'].consts)
+  return out_axes, eqn.replace(params=dict(p, jaxpr=jaxpr))
+
+
+control_rules[_jax.scan_p] = _scan_control
+
+
+def _scan_intervene(injector, eqn, invals):
+  p = eqn.params
+  new, reps = one_body(injector, p['jaxpr'], length=p['length'])
+  new, consts = hoisted(new)
+  return _jax.scan_p.bind(
+      *consts,
+      *invals,
+      *reps,
+      **dict(p, jaxpr=new, num_consts=len(consts) + p['num_consts']),
+  )
+
+
+intervene_rules[_jax.scan_p] = _scan_intervene
+
+
+def _scan_batcher(jax_rule, axis_data, args, dims, **params):
+  body = params['jaxpr']
+  if intervening() or not staging_captures() or not has_plain_sows(body):
+    # Nothing a capture could collect: JAX's rule, unchanged.
+    return jax_rule(axis_data, args, dims, **params)
+  # [consts, carry, xs] -> [carry, ys, entries]: the entries are extra ys.
+  new_body, layout = rewrite_jaxpr(body, PLAIN_SOWS, ())
+  # The hoisted sows come after the scan; markers before it keep every name
+  # the body sows in its order of first sow.
+  mark_order(sow_sites(body.jaxpr))
+  outs, out_dims = jax_rule(
+      axis_data, args, dims, **dict(params, jaxpr=new_body)
+  )
+  n = len(outs) - layout.num_extra
+  sow_again(layout, outs[n:], out_dims[n:], axis_data.size)
+  return outs[:n], out_dims[:n]
+
+
+_jax_patches.register('scan_batching', _scan_batcher)
+
+
+# ----------------------------------------------------------------------------
+# Loop-invariant sows under scan's hoisting.
+
+
+class _Hoisting(threading.local):
+  depth = 0
+
+
+_HOISTING = _Hoisting()
+
+
+def _keeping_sows_in_loops(rule):
+  """``rule`` run with staged sows kept in the loop (see the module doc)."""
+
+  def wrapped(*args, **kwargs):
+    _HOISTING.depth += 1
+    try:
+      return rule(*args, **kwargs)
+    finally:
+      _HOISTING.depth -= 1
+
+  return wrapped
+
+
+def _sow_partial_eval(trace, *tracers, **params):
+  if (
+      _HOISTING.depth
+      and params['effect']
+      and not params['remat_copy']
+      and all(t.pval.is_known() for t in tracers)
+  ):
+    # Stage the sow in the loop body (kept by its effect), reading the
+    # operands as constants the hoisting passes in; consumers keep the
+    # known operands, so what they compute may still be hoisted.
+    trace.default_process_primitive(
+        sow_p, [trace.instantiate_const(t) for t in tracers], params
+    )
+    return list(tracers[: len(tracers) - params['n_closure']])
+  return trace.default_process_primitive(sow_p, tracers, params)
+
+
+class _ScanRemat(threading.local):
+  depth = 0
+
+
+_SCAN_REMAT = _ScanRemat()
+
+
+def _in_scan_remat_rule(rule, *args, **kwargs):
+  """``scan``'s ``checkpoint`` rule, whose hoisting step is watched below."""
+  _SCAN_REMAT.depth += 1
+  try:
+    return rule(*args, **kwargs)
+  finally:
+    _SCAN_REMAT.depth -= 1
+
+
+def _partial_eval_nounits(function, *args, **kwargs):
+  # Inside scan's checkpoint rule, this is its loop-invariant hoisting.
+  if _SCAN_REMAT.depth and not _HOISTING.depth:
+    return _keeping_sows_in_loops(function)(*args, **kwargs)
+  return function(*args, **kwargs)
+
+
+def _sow_partial_eval_custom(rule, saveable, unks_in, inst_in, eqn):
+  # A ``checkpoint`` (remat) nested in a loop body that is being hoisted:
+  # a known sow goes to the part that stays in the loop.
+  p = eqn.params
+  if _HOISTING.depth and p['effect'] and not p['remat_copy']:
+    n = len(eqn.outvars)
+    res = [
+        v
+        for v, inst in zip(eqn.invars, inst_in)
+        if isinstance(v, _jax.Var) and not inst
+    ]
+    return None, eqn, [True] * n, [True] * n, res
+  return rule(saveable, unks_in, inst_in, eqn)
+
+
+_jax.custom_partial_eval_rules[sow_p] = _sow_partial_eval
+
+
+_jax_patches.register('scan_hoisting', _keeping_sows_in_loops)
+
+
+_jax_patches.register('scan_remat_rule', _in_scan_remat_rule)
+
+
+_jax_patches.register('partial_eval_nounits', _partial_eval_nounits)
+
+
+_jax.wrap_rule(
+    _jax.partial_eval_jaxpr_custom_rules, sow_p, _sow_partial_eval_custom
+)

@@ -1,0 +1,379 @@
+# Copyright 2026 The Flax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+
+"""Which sows a jaxpr holds, which a capture accepts, and editing them.
+
+* :func:`sow_sites`: every sow equation under a jaxpr (any depth), cached by
+  jaxpr, with what each construct around it changes (``site_annotations``:
+  the mesh axes a ``shard_map`` adds, the control axes of a ``while``/
+  ``cond`` on a per-device predicate).
+* :func:`accepts` and :class:`Selection`: the tag and name filter of a
+  capture (``capture(f, tags=..., names=...)``).
+* :func:`edit_sows` and the helpers on it: sows turned into remat copies (an
+  identity no capture collects), for a second evaluation of a body whose
+  sows already ran once (a rematerialised loop, a custom rule's body).
+* ``construct_names``: how errors name each higher-order primitive.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import typing as tp
+import weakref
+
+from flax.nnx.sow import _jax
+from flax.nnx.sow.primitive import HIDDEN
+from flax.nnx.sow.primitive import MARKER_KINDS
+from flax.nnx.sow.primitive import Name
+from flax.nnx.sow.primitive import sow_effect
+from flax.nnx.sow.primitive import sow_p
+from flax.nnx.sow.reductions import Reduction
+
+
+# ----------------------------------------------------------------------------
+# Per-scope collection state.
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardAxes:
+  """The mesh axes that a value sown inside ``shard_map`` varies over.
+
+  Outside the ``shard_map`` such a value, or the accumulator of such a
+  reduced name, carries one leading axis per axis in :attr:`axes`, of the
+  sizes in :attr:`shape` (``sharding.py``).
+  """
+
+  mesh_shape: tuple[tuple[str, int], ...]  # the mesh's axes, in mesh order
+  names: frozenset[str]
+
+  @property
+  def axes(self) -> tuple[str, ...]:
+    return tuple(a for a, _ in self.mesh_shape if a in self.names)
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return tuple(n for a, n in self.mesh_shape if a in self.names)
+
+  def union(self, other: ShardAxes) -> ShardAxes | None:
+    """Both sets of axes, or ``None`` if the meshes differ."""
+    if other.mesh_shape != self.mesh_shape:
+      return None
+    return ShardAxes(self.mesh_shape, self.names | other.names)
+
+
+construct_names: dict[_jax.Primitive, str] = {}
+"""How errors name a primitive's construct (``'lax.scan'`` for ``scan``)."""
+
+
+site_annotations: dict[
+    _jax.Primitive, tp.Callable[[_jax.JaxprEqn, 'SowSite'], 'SowSite']
+] = {}
+"""How a primitive changes what the sows in its sub-jaxprs give the caller.
+
+``annotate(eqn, site) -> site``; ``shard_map`` records the mesh axes its
+sows gain (``sharding.py``).
+"""
+
+
+# ----------------------------------------------------------------------------
+# Static analysis: which sows does a jaxpr hold?
+
+
+@dataclasses.dataclass(frozen=True)
+class SowSite:
+  """One sow equation, found anywhere in a jaxpr or its sub-jaxprs."""
+
+  name: Name
+  tag: tp.Hashable
+  reduction: Reduction | None
+  kind: str = 'value'
+  # Where the sow was called, and what it sows (one example's avals).
+  eqn: _jax.JaxprEqn | None = dataclasses.field(default=None, compare=False)
+  # The mesh axes of an enclosing ``shard_map`` the value varies over.
+  sharded: ShardAxes | None = None
+  # Manual mesh axes the predicates of the enclosing loops and branches vary
+  # over: the site runs differently per shard (``loops.py``).
+  control_axes: frozenset = frozenset()
+
+  @property
+  def where(self) -> str:
+    return '' if self.eqn is None else where(self.eqn)
+
+  def value_avals(self) -> tuple[tp.Any, ...]:
+    p = self.eqn.params
+    b = p['batch_dims']
+    invars = self.eqn.invars[: len(self.eqn.invars) - p['n_closure']]
+    return tuple(
+        _jax.ShapedArray(v.aval.shape[b:], v.aval.dtype) for v in invars
+    )
+
+
+def where(eqn: _jax.JaxprEqn) -> str:
+  """`` (at file:line)`` of the user's call that staged ``eqn``."""
+  return f' (at {_jax.summarize_source(eqn.source_info)})'
+
+
+_sites_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+_sites_lock = threading.Lock()
+
+
+def sow_sites(jaxpr: _jax.Jaxpr) -> tuple[SowSite, ...]:
+  """Every sow in ``jaxpr`` and its sub-jaxprs, in equation order (cached)."""
+  try:
+    return _sites_cache[jaxpr]
+  except KeyError:
+    pass
+  sites: list[SowSite] = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive is sow_p:
+      p = eqn.params
+      if not p['remat_copy']:
+        sites.append(
+            SowSite(p['name'], p['tag'], p['reduction'], p['kind'], eqn)
+        )
+    else:
+      annotate = site_annotations.get(eqn.primitive)
+      for sub in _jax.jaxprs_in_params(eqn.params):
+        for site in sow_sites(sub):
+          sites.append(site if annotate is None else annotate(eqn, site))
+  result = tuple(sites)
+  with _sites_lock:
+    _sites_cache[jaxpr] = result
+  return result
+
+
+def init_order_sites(jaxpr: _jax.Jaxpr) -> list[SowSite]:
+  """The reduced sows of ``jaxpr`` in the order in which they give a name
+  its ``init_fn()``: program order, except that the two branches of a
+  ``cond`` come last first. JAX stores ``lax.cond(pred, true_fun,
+  false_fun)``'s branches as ``(false_fun, true_fun)``; ``true_fun``, written
+  first, comes first (a two-branch ``lax.switch`` is staged the same way).
+  By position, so that JAX's transforms, which keep branches in place, do
+  not change it."""
+  sites = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive is sow_p:
+      p = eqn.params
+      if p['reduction'] is not None and not p['remat_copy']:
+        sites.append(
+            SowSite(p['name'], p['tag'], p['reduction'], p['kind'], eqn)
+        )
+      continue
+    subs = list(_jax.jaxprs_in_params(eqn.params))
+    if eqn.primitive is _jax.cond_p and len(subs) == 2:
+      subs = subs[::-1]
+    annotate = site_annotations.get(eqn.primitive)
+    for sub in subs:
+      for site in init_order_sites(sub):
+        sites.append(site if annotate is None else annotate(eqn, site))
+  return sites
+
+
+def as_jaxpr(j: _jax.Jaxpr | _jax.ClosedJaxpr) -> _jax.Jaxpr:
+  return j.jaxpr if isinstance(j, _jax.ClosedJaxpr) else j
+
+
+PLAIN_SOWS = object()
+"""A ``Collector.accepts_key`` that takes every plain sow, whatever its tag.
+
+Used to hoist plain sows out of a construct (``batching.py``).
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+  """The ``accepts_key`` of a capture that selects names (``names=``).
+
+  ``tags`` is ``None`` (every tag) or a frozenset; ``names`` a frozenset of
+  names or a callable ``name -> bool``. A capture without ``names`` keeps its
+  ``tags`` (``None`` or a frozenset) as its key.
+  """
+
+  tags: frozenset | None
+  names: tp.Any
+
+  def accepts_name(self, name: Name) -> bool:
+    if isinstance(self.names, frozenset):
+      return name in self.names
+    return bool(self.names(name))
+
+
+def tags_of(accepts_key) -> frozenset | None:
+  """The tags a capture's ``accepts_key`` takes (``None``: every tag)."""
+  if isinstance(accepts_key, Selection):
+    return accepts_key.tags
+  return accepts_key
+
+
+def accepts(
+    accepts_key: frozenset | Selection | None | object,
+    tag: tp.Hashable,
+    reduction: Reduction | None,
+    kind: str = 'value',
+    name: Name | None = None,
+) -> bool:
+  """Whether a capture with ``accepts_key`` collects a sow of ``tag`` and
+  ``name``."""
+  if accepts_key is PLAIN_SOWS:
+    # Hoisting moves values; markers stay where they are (a perturb marker
+    # must meet the JVP there).
+    return reduction is None and kind not in MARKER_KINDS
+  if accepts_key is None:
+    return True
+  if isinstance(accepts_key, Selection):
+    return (
+        accepts_key.tags is None or tag in accepts_key.tags
+    ) and accepts_key.accepts_name(name)
+  return tag in accepts_key
+
+
+def construct_name(primitive: _jax.Primitive) -> str:
+  return construct_names.get(primitive, f'`{primitive.name}`')
+
+
+def holds_staged_sow(jaxpr: _jax.Jaxpr) -> bool:
+  for eqn in jaxpr.eqns:
+    if eqn.primitive is sow_p:
+      if eqn.params['effect'] and not eqn.params['remat_copy']:
+        return True
+    elif any(holds_staged_sow(j) for j in _jax.jaxprs_in_params(eqn.params)):
+      return True
+  return False
+
+
+# ----------------------------------------------------------------------------
+# while under remat: the recomputed copy collects nothing.
+#
+# ``jax.checkpoint``'s partial evaluation of a ``while_loop``
+# (``_while_partial_eval_custom``) keeps the known loop and stages the whole
+# equation again for the recomputation, sows included, so a sow in the body
+# would be collected twice. Where a known loop runs, the staged copy's sows
+# become remat copies (collected nowhere), as ``sow_p``'s own rule does.
+#
+# A ``custom_jvp``/``custom_vjp`` call in the body needs one step more. It has
+# no partial-evaluation rule: JAX's default runs a known effectful equation
+# once and saves its outputs rather than recompute it, which is right for a
+# call holding a staged sow anywhere but in a ``while_loop`` body, which can
+# save nothing (JAX's rule asserts it has no residual). So while JAX's rule
+# runs, the staged sows in such calls are hidden (``remat_copy=HIDDEN``: no
+# effect, collected by nothing) and JAX recomputes the calls as pure
+# equations; in the known loop it returns they collect again, and in the
+# staged one they are remat copies, so each is collected once.
+
+
+def without_staged_sows(closed: _jax.ClosedJaxpr) -> _jax.ClosedJaxpr:
+  """``closed`` with every staged sow a remat copy (an identity no capture
+  collects), for a second evaluation whose sows already ran once."""
+  if not holds_staged_sow(closed.jaxpr):
+    return closed
+  return _jax.ClosedJaxpr(as_remat_copies(closed.jaxpr), closed.consts)
+
+
+def without_value_sows_named(
+    closed: _jax.ClosedJaxpr, names: frozenset
+) -> _jax.ClosedJaxpr:
+  """``closed`` with its staged value sows of ``names`` remat copies (for an
+  evaluation whose sows of those names are collected elsewhere)."""
+  if not names:
+    return closed
+
+  def edit(params, in_custom_call):
+    del in_custom_call
+    if params['kind'] == 'value' and params['name'] in names:
+      return to_remat_copy(params, False)
+    return None
+
+  return _jax.ClosedJaxpr(
+      edit_sows_in_jaxpr(closed.jaxpr, edit, False), closed.consts
+  )
+
+
+def as_remat_copies(jaxpr: _jax.Jaxpr) -> _jax.Jaxpr:
+  return edit_sows_in_jaxpr(jaxpr, to_remat_copy, False)
+
+
+def remat_copy_eqn(eqn: _jax.JaxprEqn) -> _jax.JaxprEqn:
+  """``eqn`` with every staged sow in it (or under it) a remat copy."""
+  return edit_sows(eqn, to_remat_copy, False)
+
+
+def to_remat_copy(params: dict, in_custom_call: bool) -> dict | None:
+  del in_custom_call
+  if params['effect'] and params['remat_copy'] in (False, HIDDEN):
+    return dict(params, remat_copy=True)
+  return None
+
+
+def edit_sows(
+    eqn: _jax.JaxprEqn, edit: tp.Callable, in_custom_call: bool
+) -> _jax.JaxprEqn:
+  """``eqn`` with ``edit(params, in_custom_call)`` applied to the parameters
+  of every sow in it or under it (``None``: unchanged); effects recomputed.
+
+  ``in_custom_call`` says whether the sow is inside a ``custom_jvp_call`` or
+  ``custom_vjp_call``. Returns ``eqn`` itself if nothing changed.
+  """
+  if eqn.primitive is sow_p:
+    params = edit(eqn.params, in_custom_call)
+    if params is None:
+      return eqn
+    staged = params['effect'] and not params['remat_copy']
+    return eqn.replace(params=params, effects={sow_effect} if staged else set())
+  if not any(True for _ in _jax.jaxprs_in_params(eqn.params)):
+    return eqn
+  in_custom_call = in_custom_call or eqn.primitive in (
+      _jax.custom_jvp_call_p,
+      _jax.custom_vjp_call_p,
+  )
+  params = {
+      k: edit_sows_in(v, edit, in_custom_call) for k, v in eqn.params.items()
+  }
+  if all(params[k] is v for k, v in eqn.params.items()):
+    return eqn
+  effects = {e for e in eqn.effects if e is not sow_effect}
+  if any(sow_effect in j.effects for j in _jax.jaxprs_in_params(params)):
+    effects.add(sow_effect)
+  return eqn.replace(params=params, effects=effects)
+
+
+def edit_sows_in_jaxpr(
+    jaxpr: _jax.Jaxpr, edit: tp.Callable, in_custom_call: bool
+) -> _jax.Jaxpr:
+  eqns = [edit_sows(eqn, edit, in_custom_call) for eqn in jaxpr.eqns]
+  if all(new is old for new, old in zip(eqns, jaxpr.eqns)):
+    return jaxpr
+  return _jax.edit_jaxpr(jaxpr, eqns, jaxpr.outvars)
+
+
+def edit_sows_in(value, edit: tp.Callable, in_custom_call: bool):
+  """A parameter's value, with :func:`edit_sows` applied to its jaxprs."""
+  if isinstance(value, _jax.Jaxpr):
+    return edit_sows_in_jaxpr(value, edit, in_custom_call)
+  if isinstance(value, _jax.ClosedJaxpr):
+    jaxpr = edit_sows_in_jaxpr(value.jaxpr, edit, in_custom_call)
+    if jaxpr is value.jaxpr:
+      return value
+    return _jax.ClosedJaxpr(jaxpr, value.consts)
+  if isinstance(value, tuple) and any(
+      isinstance(v, (_jax.Jaxpr, _jax.ClosedJaxpr)) for v in value
+  ):
+    new = tuple(edit_sows_in(v, edit, in_custom_call) for v in value)
+    if all(n is v for n, v in zip(new, value)):
+      return value
+    return new
+  return value

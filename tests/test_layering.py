@@ -27,6 +27,7 @@
 
 import ast
 import pathlib
+import tomllib
 
 from absl.testing import absltest
 
@@ -185,6 +186,17 @@ class LayeringTest(absltest.TestCase):
           for n in _imported(tree)
       ):
         self.assertTrue(_in_nnx_layer(name), name)
+
+
+  def test_pyproject_lists_every_subpackage(self):
+    # A package missing from ``packages`` is left out of ``pip install .``.
+    pyproject = tomllib.loads((PACKAGE.parents[2] / 'pyproject.toml').read_text())
+    listed = set(pyproject['tool']['setuptools']['packages'])
+    on_disk = {
+        '.'.join(('flax', 'nnx', 'sow', *p.parent.relative_to(PACKAGE).parts))
+        for p in PACKAGE.rglob('__init__.py')
+    }
+    self.assertEqual(listed, on_disk)
 
 
 if __name__ == '__main__':

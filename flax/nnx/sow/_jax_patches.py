@@ -217,7 +217,7 @@ INVENTORY: tuple[Patch, ...] = (
     Patch(
         'custom_jvp_bind',
         'custom_jvp_call_p.bind_with_trace',
-        'custom_primal.py',
+        'constructs/custom.py',
         'Under differentiation JAX runs the jvp rule instead of the primal'
         ' body; the sows of a body the rule does not run are collected from'
         ' the body.',
@@ -228,7 +228,7 @@ INVENTORY: tuple[Patch, ...] = (
     Patch(
         'custom_vjp_bind',
         'custom_vjp_call_p.bind_with_trace',
-        'custom_primal.py',
+        'constructs/custom.py',
         'As for custom_jvp, with the fwd rule.',
         'As for custom_jvp.',
         _wrap_bind_with_trace(_jax.custom_vjp_call_p),
@@ -236,7 +236,7 @@ INVENTORY: tuple[Patch, ...] = (
     Patch(
         'scan_hoisting',
         'jax._src.lax.control_flow.loops._scan_known_hoisting',
-        'invariance.py',
+        'constructs/scan.py',
         'grad/linearize move loop-invariant work out of a scan; a sow there'
         ' must still give one value per iteration.',
         'A per-effect opt-out of loop-invariant hoisting in scan partial'
@@ -246,7 +246,7 @@ INVENTORY: tuple[Patch, ...] = (
     Patch(
         'partial_eval_nounits',
         'pe.partial_eval_jaxpr_nounits',
-        'invariance.py',
+        'constructs/scan.py',
         "The hoisting step of scan's checkpoint rule calls it; sows stay in"
         ' the loop there too.',
         'As for scan_hoisting.',
@@ -255,7 +255,7 @@ INVENTORY: tuple[Patch, ...] = (
     Patch(
         'scan_remat_rule',
         'pe.partial_eval_jaxpr_custom_rules[scan_p]',
-        'invariance.py',
+        'constructs/scan.py',
         'Marks where its hoisting runs (see partial_eval_nounits).',
         'As for scan_hoisting.',
         _wrap_rule(_jax.partial_eval_jaxpr_custom_rules, _jax.scan_p),
@@ -263,7 +263,7 @@ INVENTORY: tuple[Patch, ...] = (
     Patch(
         'while_remat_rule',
         'pe.partial_eval_jaxpr_custom_rules[while_p]',
-        'invariance.py',
+        'constructs/while_loop.py',
         'checkpoint keeps the known loop and recomputes the whole loop: the'
         " copy's sows must not be collected again.",
         'A way to mark the staged copy of a split loop as a recomputation.',
@@ -272,7 +272,7 @@ INVENTORY: tuple[Patch, ...] = (
     Patch(
         'while_partial_eval',
         'pe.custom_partial_eval_rules[while_p]',
-        'invariance.py',
+        'constructs/while_loop.py',
         'linearize runs the known part of a loop and stages the whole loop'
         " again: the copy's sows must not be collected each time the linear"
         ' function is applied.',
@@ -282,7 +282,7 @@ INVENTORY: tuple[Patch, ...] = (
     Patch(
         'scan_batching',
         'batching.fancy_primitive_batchers[scan_p]',
-        'batching.py',
+        'constructs/scan.py',
         'Plain sows in a batched scan are hoisted out, so they come back'
         ' with the mapped axis first.',
         'A batching hook that lets an effect choose where its mapped axis'
@@ -292,7 +292,7 @@ INVENTORY: tuple[Patch, ...] = (
     Patch(
         'cond_batching',
         'batching.fancy_primitive_batchers[cond_p]',
-        'batching.py',
+        'constructs/cond.py',
         'A cond on a batched predicate runs every branch: plain sows are'
         " hoisted and the taken branch's value selected.",
         'As for scan_batching.',
@@ -301,7 +301,7 @@ INVENTORY: tuple[Patch, ...] = (
     Patch(
         'scan_batching_shard_map',
         'batching.fancy_primitive_batchers[scan_p] (second wrapper)',
-        'sharding.py',
+        'constructs/shard_map.py',
         'A plain sow in a shard_map that vmap maps over raises (its mapped'
         ' axis would not come first).',
         'As for scan_batching.',
@@ -312,7 +312,7 @@ INVENTORY: tuple[Patch, ...] = (
     Patch(
         'cond_batching_shard_map',
         'batching.fancy_primitive_batchers[cond_p] (second wrapper)',
-        'sharding.py',
+        'constructs/shard_map.py',
         'As for scan_batching_shard_map.',
         'As for scan_batching.',
         _stacked_rule(
@@ -322,7 +322,7 @@ INVENTORY: tuple[Patch, ...] = (
     Patch(
         'batch_shard_map',
         'batching.BatchTrace.process_shard_map',
-        'sharding.py',
+        'constructs/shard_map.py',
         'Records which vmaps map over a shard_map, for the check above.',
         'As for scan_batching.',
         _wrap_attribute(_jax.batching.BatchTrace, 'process_shard_map'),

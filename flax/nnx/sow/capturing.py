@@ -203,9 +203,7 @@ class _EagerJitted:
       n = len(jax.tree_util.tree_leaves(a, is_leaf=is_opaque_leaf))
       flags += [i in static_pos] * n
     for k in sorted(kwargs):
-      n = len(
-          jax.tree_util.tree_leaves(kwargs[k], is_leaf=is_opaque_leaf)
-      )
+      n = len(jax.tree_util.tree_leaves(kwargs[k], is_leaf=is_opaque_leaf))
       flags += [k in self.static_argnames] * n
     return flags
 

@@ -14,8 +14,8 @@
 
 """What a capture collects and the loop over staged jaxprs.
 
-This file owns collection: which equations hold accepted sows
-(:func:`sow_sites`, cached per jaxpr), the :class:`Collector` of one scope
+This file owns collection (which equations hold accepted sows is
+``sites.py``): the :class:`Collector` of one scope
 (entries of plain names, accumulators of reduced names, their layouts as
 extra outputs of a rewritten sub-jaxpr), the :class:`Collected` dict a
 capture returns, the rewrite of one sub-jaxpr (:func:`rewrite_jaxpr`) and
@@ -27,11 +27,11 @@ equation as ``jax.core.eval_jaxpr`` would, except that
 * a higher-order primitive whose sub-jaxprs hold accepted sows is handed to
   the rule registered for it in :data:`collect_rules`; the rule re-binds the
   primitive with rewritten sub-jaxprs that return the collected values as
-  extra outputs (``rules.py``, ``loops.py``).
+  extra outputs (one file per construct in ``constructs/``).
 
 Everything else, including every sub-jaxpr with nothing to collect, is bound
 exactly as it was, so custom rules and compiled ``jit`` entries are kept.
-``capture.py`` holds the transform itself; ``toplevel.py`` its top level.
+``capturing.py`` holds the transform itself; ``toplevel.py`` its top level.
 """
 
 from __future__ import annotations
@@ -852,9 +852,7 @@ def edit_plain_sows(
   for eqn in jaxpr.eqns:
     p = eqn.params
     if eqn.primitive is sow_p and not p['remat_copy']:
-      if accepts(
-          accepts_key, p['tag'], p['reduction'], p['kind'], p['name']
-      ):
+      if accepts(accepts_key, p['tag'], p['reduction'], p['kind'], p['name']):
         if p['reduction'] is not None:
           return None
         operands = [
@@ -866,7 +864,11 @@ def edit_plain_sows(
         if p['kind'] == 'perturb':  # the forward marker (see EntrySpec)
           entries.append(
               EntrySpec(
-                  p['name'], p['tag'], p['treedef'], 0, 'perturb',
+                  p['name'],
+                  p['tag'],
+                  p['treedef'],
+                  0,
+                  'perturb',
                   p.get('ordinal'),
               )
           )
@@ -1008,7 +1010,7 @@ def _unsupported(eqn, collector) -> NotImplementedError:
       f' {construct_name(eqn.primitive)} (primitive `{eqn.primitive.name}`'
       ' has no capture rule). Sow the value outside that construct (return'
       ' it from it and sow the result), or register a rule for the'
-      ' primitive in flax.nnx.sow.capturing.collect_rules (see'
+      ' primitive in flax.nnx.sow.collect_rules (see'
       ' CONTRIBUTING.md).'
   )
 

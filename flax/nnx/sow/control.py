@@ -29,14 +29,14 @@ because it is computed (through any equations, nested ``jit``, ``scan``,
 union of its inputs' control axes, less the axes their types already vary
 over; a collective that makes a value invariant (``psum``) thus ends them.
 The rules of :data:`control_rules` say how a construct does it: ``cond``
-and ``while`` add their predicate's axes (``loops.py``); call-like
+and ``while`` add their predicate's axes (``constructs/while_loop.py``, ``constructs/cond.py``); call-like
 primitives (``jit``, ``remat``, custom derivatives, a nested ``shard_map``)
 map their inputs to their sub-jaxpr's one to one.
 
 :func:`mark_control_varying` then returns the body with every sow of such a
 value (plain or reduced, at any depth) reading a ``pvary`` of it, while the
 program itself goes on with the unmarked value: the sow's type now says how
-the value varies, so the ``shard_map`` rule (``sharding.py``) lays it out per
+the value varies, so the ``shard_map`` rule (``constructs/shard_map.py``) lays it out per
 device like any varying value, and nothing else in the program changes. A
 sow inside a loop or branch whose predicate varies is marked too.
 """

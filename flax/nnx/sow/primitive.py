@@ -20,7 +20,7 @@ pytree structure, reduction), its abstract evaluation (the operands' avals plus
 and its rules under JAX's transforms: identity lowering, a JVP that sows the
 primal and passes the tangent through, and a batching rule that moves the
 mapped axis first. Collecting what was sown is ``capture``'s job
-(``capture.py``), not the primitive's.
+(``capturing.py``), not the primitive's.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ sow_p.multiple_results = True
 #   puts such entries back in call order); ``'perturb'`` for ``perturb``'s
 #   forward marker, which collects nothing but says where the name is first
 #   used and gives the tangent its ``perturb_tangent_p``; ``'order'`` for a
-#   marker that only says where a name is first used (``batching.py``).
+#   marker that only says where a name is first used (``constructs/batched.py``).
 # * ``batch_dims``: the leading axes that ``jax.vmap`` added to the value. A
 #   capture folds a reduced sow's ``reduce_fn`` over them, so under vmap every
 #   example is reduced into the one accumulator, as if ``f`` had run once per
@@ -88,7 +88,7 @@ sow_p.multiple_results = True
 #   and does not force its value to be saved as a residual. ``HIDDEN``
 #   (``'hidden'``, truthy, so every reader treats it as a copy) marks a
 #   staged sow hidden for the duration of one partial-evaluation rule of
-#   ``while`` (``invariance.py``), which then makes it collecting again or a
+#   ``while`` (``constructs/while_loop.py``), which then makes it collecting again or a
 #   copy; no jaxpr outside that rule holds it.
 
 MARKER_KINDS = ('perturb', 'order')
@@ -109,7 +109,7 @@ def staging(accepts_key: tp.Any = None):
 
 @dataclasses.dataclass(frozen=True)
 class Intervening:
-  """The staging key of ``intervene`` (``intervene.py``): its sows are
+  """The staging key of ``intervene`` (``inject.py``): its sows are
   staged effectful, like a capture's, but no capture accepts them.
 
   ``names`` and ``tags`` (``None``: every tag) say which sows it replaces;
@@ -140,7 +140,7 @@ def staging_captures() -> tuple[tp.Any, ...]:
 def intervening() -> Intervening | None:
   """The ``intervene`` staging now, if it is the innermost transform staging.
 
-  Its sows must stay where they are (``batching.py``), and a sow it replaces
+  Its sows must stay where they are (``constructs/batched.py``), and a sow it replaces
   comes back batched under ``jax.vmap``: a replacement per example has to
   reach the sow's consumers.
   """

@@ -68,7 +68,7 @@ class Reduction:
   ``fixed_type``: the accumulator keeps its structure, shape and dtype at
   every fold (the functional ``sow``). ``False`` (``Module.sow``, as in Flax)
   lets a fold change it where the fold runs in Python, not carried by a
-  loop or branch (``capture.Collector.reduce``).
+  loop or branch (``collect.Collector.reduce``).
   """
 
   reduce_fn: tp.Callable[[tp.Any, tp.Any], tp.Any]
@@ -268,7 +268,7 @@ def _vary_like_acc(leaves, acc: Accumulator) -> list:
 
 def masked(snapshot: Snapshot, n_value: int) -> Snapshot:
   """``snapshot`` whose fold takes one more value leaf, a boolean mask, and
-  leaves the accumulator unchanged where it is false (``batching.py``)."""
+  leaves the accumulator unchanged where it is false (``constructs/cond.py``)."""
   fold = snapshot.fold
   n_acc = len(snapshot.acc_avals)
   n_closure = len(fold.in_avals) - n_acc - n_value

@@ -43,17 +43,13 @@ from flax.nnx.sow.primitive import sow_p
 from flax.nnx.sow.reductions import Reduction
 
 
-# ----------------------------------------------------------------------------
-# Per-scope collection state.
-
-
 @dataclasses.dataclass(frozen=True)
 class ShardAxes:
   """The mesh axes that a value sown inside ``shard_map`` varies over.
 
   Outside the ``shard_map`` such a value, or the accumulator of such a
   reduced name, carries one leading axis per axis in :attr:`axes`, of the
-  sizes in :attr:`shape` (``sharding.py``).
+  sizes in :attr:`shape` (``constructs/shard_map.py``).
   """
 
   mesh_shape: tuple[tuple[str, int], ...]  # the mesh's axes, in mesh order
@@ -84,7 +80,7 @@ site_annotations: dict[
 """How a primitive changes what the sows in its sub-jaxprs give the caller.
 
 ``annotate(eqn, site) -> site``; ``shard_map`` records the mesh axes its
-sows gain (``sharding.py``).
+sows gain (``constructs/shard_map.py``).
 """
 
 
@@ -105,7 +101,7 @@ class SowSite:
   # The mesh axes of an enclosing ``shard_map`` the value varies over.
   sharded: ShardAxes | None = None
   # Manual mesh axes the predicates of the enclosing loops and branches vary
-  # over: the site runs differently per shard (``loops.py``).
+  # over: the site runs differently per shard (``constructs/while_loop.py``, ``constructs/cond.py``).
   control_axes: frozenset = frozenset()
 
   @property
@@ -191,7 +187,7 @@ def as_jaxpr(j: _jax.Jaxpr | _jax.ClosedJaxpr) -> _jax.Jaxpr:
 PLAIN_SOWS = object()
 """A ``Collector.accepts_key`` that takes every plain sow, whatever its tag.
 
-Used to hoist plain sows out of a construct (``batching.py``).
+Used to hoist plain sows out of a construct (``constructs/batched.py``).
 """
 
 
@@ -257,23 +253,8 @@ def holds_staged_sow(jaxpr: _jax.Jaxpr) -> bool:
 
 
 # ----------------------------------------------------------------------------
-# while under remat: the recomputed copy collects nothing.
-#
-# ``jax.checkpoint``'s partial evaluation of a ``while_loop``
-# (``_while_partial_eval_custom``) keeps the known loop and stages the whole
-# equation again for the recomputation, sows included, so a sow in the body
-# would be collected twice. Where a known loop runs, the staged copy's sows
-# become remat copies (collected nowhere), as ``sow_p``'s own rule does.
-#
-# A ``custom_jvp``/``custom_vjp`` call in the body needs one step more. It has
-# no partial-evaluation rule: JAX's default runs a known effectful equation
-# once and saves its outputs rather than recompute it, which is right for a
-# call holding a staged sow anywhere but in a ``while_loop`` body, which can
-# save nothing (JAX's rule asserts it has no residual). So while JAX's rule
-# runs, the staged sows in such calls are hidden (``remat_copy=HIDDEN``: no
-# effect, collected by nothing) and JAX recomputes the calls as pure
-# equations; in the known loop it returns they collect again, and in the
-# staged one they are remat copies, so each is collected once.
+# Remat copies: sows that no capture collects (a second evaluation of a body
+# whose sows already ran once).
 
 
 def without_staged_sows(closed: _jax.ClosedJaxpr) -> _jax.ClosedJaxpr:

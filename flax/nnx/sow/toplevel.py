@@ -21,11 +21,11 @@ JVP, ``vmap``'s batching). It has no tracers of its own: every value ``f``
 sees is the parent's, and every primitive ``f`` binds is handed to the parent
 as it is, except
 
-* an accepted ``sow``: the :class:`~capture.Collector` records its operands,
+* an accepted ``sow``: the :class:`~flax.nnx.sow.collect.Collector` records its operands,
   which are the parent's values, and the sow is not bound;
 * a higher-order primitive whose sub-jaxprs hold accepted sows: it is staged
   alone into a one-equation jaxpr, which the capture loop
-  (``capture.interpret``) evaluates on the parent, so the rule registered for
+  (``collect.interpret``) evaluates on the parent, so the rule registered for
   the primitive in ``collect_rules`` rewrites it;
 * a call that carries Python functions instead of jaxprs (``custom_jvp``,
   ``custom_vjp``, ``shard_map``, ``core.call``): it is staged alone the same
@@ -90,7 +90,7 @@ class CaptureTrace(_jax.Trace):
 
   Args:
     parent: the trace that was current when the capture was called.
-    collector: where the sows go (``capture.Collector``).
+    collector: where the sows go (``collect.Collector``).
   """
 
   def __init__(self, parent, collector: capture_lib.Collector):

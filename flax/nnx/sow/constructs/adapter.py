@@ -26,6 +26,9 @@ here keep the equation's own parameters consistent with that:
 * :func:`permuted`: a body with its binders and outputs reordered, without
   re-tracing (JAX's ``scan``/``while`` fix the order of consts, carries and
   xs).
+* :func:`with_unused_inputs`: a body given inputs it ignores (a ``while``
+  predicate next to the accumulators, a ``cond`` branch next to another
+  branch's constants).
 * :func:`jit_params`: ``jit``'s per-input and per-output parameters
   (shardings, layouts, donation) extended for extra inputs and outputs.
 """
@@ -39,23 +42,79 @@ from flax.nnx.sow import _jax
 from flax.nnx.sow.collect import cached
 
 
-def permuted(closed: _jax.ClosedJaxpr, in_order, out_order, name: str):
-  """``closed`` with its inputs and outputs permuted.
+def permuted(closed: _jax.ClosedJaxpr, in_order, out_order):
+  """``closed`` with its binders and outputs reordered, without re-tracing.
 
-  The result's input ``i`` is ``closed``'s input ``in_order[i]``... inverted:
-  ``in_order[j]`` is the position in the *new* signature of old input ``j``;
-  ``out_order`` lists, for each new output, the old output it returns.
+  ``in_order[j]`` is the position in the new signature of old input ``j``;
+  ``out_order`` lists, for each new output, the old output it returns. The
+  equations are shared with ``closed`` (a jaxpr's variables are only
+  names); input effects follow their variables.
   """
-  n_in = len(closed.in_avals)
-  new_in_avals = [None] * n_in
+  jaxpr = closed.jaxpr
+  n_in = len(jaxpr.invars)
+  names = jaxpr.debug_info.safe_arg_names(n_in)
+  paths = jaxpr.debug_info.safe_result_paths(len(jaxpr.outvars))
+  invars, arg_names = [None] * n_in, [None] * n_in
   for old, new in enumerate(in_order):
-    new_in_avals[new] = closed.in_avals[old]
+    invars[new], arg_names[new] = jaxpr.invars[old], names[old]
+  debug_info = jaxpr.debug_info._replace(
+      arg_names=tuple(arg_names),
+      result_paths=tuple(paths[i] for i in out_order),
+  )
+  return _jax.ClosedJaxpr(
+      jaxpr.replace(
+          invars=invars,
+          outvars=[jaxpr.outvars[i] for i in out_order],
+          debug_info=debug_info,
+      ),
+      closed.consts,
+  )
 
-  def fn(*args):
-    outs = _jax.eval_closed(closed, [args[in_order[j]] for j in range(n_in)])
-    return [outs[i] for i in out_order]
 
-  return _jax.trace_to_closed_jaxpr(fn, new_in_avals, name)
+def with_unused_inputs(closed: _jax.ClosedJaxpr, avals, at: int):
+  """``closed`` taking inputs of ``avals`` that it ignores, inserted before
+  its input ``at`` (without re-tracing)."""
+  jaxpr = closed.jaxpr
+  unused = [_jax.Var(aval) for aval in avals]
+  names = jaxpr.debug_info.safe_arg_names(len(jaxpr.invars))
+  return _jax.ClosedJaxpr(
+      jaxpr.replace(
+          invars=[*jaxpr.invars[:at], *unused, *jaxpr.invars[at:]],
+          debug_info=jaxpr.debug_info._replace(
+              arg_names=(*names[:at], *('',) * len(unused), *names[at:])
+          ),
+      ),
+      closed.consts,
+  )
+
+
+def jit_params(params: dict, *, leading=0, trailing=0, outputs=0, **changes):
+  """``jit``'s parameters for ``leading`` extra inputs before the equation's
+  own, ``trailing`` after them, and ``outputs`` extra trailing outputs.
+
+  The parameters with one entry per input or output (shardings, layouts,
+  donation) grow by unspecified shardings, default layouts and no donation;
+  ``changes`` (e.g. ``jaxpr=``) replace entries.
+  """
+  p = params
+  unspecified = _jax.UNSPECIFIED
+  return dict(
+      p,
+      in_shardings=(
+          *(unspecified,) * leading,
+          *p['in_shardings'],
+          *(unspecified,) * trailing,
+      ),
+      out_shardings=(*p['out_shardings'], *(unspecified,) * outputs),
+      in_layouts=(*(None,) * leading, *p['in_layouts'], *(None,) * trailing),
+      out_layouts=(*p['out_layouts'], *(None,) * outputs),
+      donated_invars=(
+          *(False,) * leading,
+          *p['donated_invars'],
+          *(False,) * trailing,
+      ),
+      **changes,
+  )
 
 
 def hoisted(closed: _jax.ClosedJaxpr):
@@ -90,13 +149,9 @@ def branches_hoisted(branches):
     lo, hi = int(offsets[i]), int(offsets[i + 1])
 
     def build(open_branch=open_branch, lo=lo, hi=hi):
-      n = len(avals)
-
-      def fn(*args):
-        return _jax.eval_closed(open_branch, [*args[lo:hi], *args[n:]])
-
-      in_avals = [*avals, *open_branch.in_avals[hi - lo :]]
-      return _jax.trace_to_closed_jaxpr(fn, in_avals, 'cond_capture_consts')
+      # [own consts, *ops] -> [all consts, *ops], the others' ignored.
+      after = with_unused_inputs(open_branch, avals[hi:], hi - lo)
+      return with_unused_inputs(after, avals[:lo], 0)
 
     new.append(cached(open_branch, ('cond_consts', tuple(avals), lo), build))
   return tuple(new), [c for _, consts in parts for c in consts]

@@ -31,17 +31,16 @@ What a sow inside does:
 from __future__ import annotations
 
 
-
 from flax.nnx.sow import _jax
 from flax.nnx.sow.collect import Collector
 from flax.nnx.sow.collect import collect_rules
 from flax.nnx.sow.collect import eval_collecting
 from flax.nnx.sow.constructs.adapter import hoisted
+from flax.nnx.sow.constructs.adapter import jit_params
 from flax.nnx.sow.inject import eval_intervening
 from flax.nnx.sow.inject import intervene_rules
 from flax.nnx.sow.inject import one_body
 from flax.nnx.sow.sites import construct_names
-
 
 # ----------------------------------------------------------------------------
 # jit: re-bound as a jit (never inlined), so it stays compiled and cached.
@@ -50,25 +49,28 @@ from flax.nnx.sow.sites import construct_names
 def _jit_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
   p = eqn.params
   new_jaxpr, layout, acc_in = collector.prepare(p['jaxpr'], python_folds=True)
-  n_acc, n_extra = len(acc_in), layout.num_extra
-  outs = _jax.jit_p.bind(
-      *acc_in,
-      *invals,
-      **dict(
-          p,
-          jaxpr=new_jaxpr,
-          in_shardings=(_jax.UNSPECIFIED,) * n_acc + tuple(p['in_shardings']),
-          out_shardings=tuple(p['out_shardings'])
-          + (_jax.UNSPECIFIED,) * n_extra,
-          in_layouts=(None,) * n_acc + tuple(p['in_layouts']),
-          out_layouts=tuple(p['out_layouts']) + (None,) * n_extra,
-          donated_invars=(False,) * n_acc + tuple(p['donated_invars']),
-      ),
+  # [*accumulators, *inputs] -> [*outputs, *entries, *accumulators]
+  params = jit_params(
+      p, leading=len(acc_in), outputs=layout.num_extra, jaxpr=new_jaxpr
   )
+  outs = _jax.jit_p.bind(*acc_in, *invals, **params)
   return collector.split_outputs(layout, outs, len(eqn.outvars))
 
 
+def _jit_intervene(injector, eqn, invals):
+  p = eqn.params
+  new, reps = one_body(injector, p['jaxpr'])
+  # Constants of the rewrite (e.g. tracers a callable closes over) enter as
+  # leading arguments: [*consts, *inputs, *replacements] -> outputs.
+  new, consts = hoisted(new)
+  params = jit_params(p, leading=len(consts), trailing=len(reps), jaxpr=new)
+  return _jax.jit_p.bind(*consts, *invals, *reps, **params)
+
+
 collect_rules[_jax.jit_p] = _jit_capture
+
+
+intervene_rules[_jax.jit_p] = _jit_intervene
 
 
 construct_names[_jax.jit_p] = '`jax.jit`'
@@ -88,10 +90,25 @@ def _call_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
   return eval_collecting(eqn.params['call_jaxpr'], (), invals, collector)
 
 
+def _closed_call_intervene(injector, eqn, invals):
+  closed = eqn.params['call_jaxpr']
+  return eval_intervening(closed.jaxpr, closed.consts, invals, injector)
+
+
+def _call_intervene(injector, eqn, invals):
+  return eval_intervening(eqn.params['call_jaxpr'], (), invals, injector)
+
+
 collect_rules[_jax.closed_call_p] = _closed_call_capture
 
 
 collect_rules[_jax.call_p] = _call_capture
+
+
+intervene_rules[_jax.closed_call_p] = _closed_call_intervene
+
+
+intervene_rules[_jax.call_p] = _call_intervene
 
 
 # ----------------------------------------------------------------------------
@@ -110,50 +127,6 @@ def _remat_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
   return collector.split_outputs(layout, outs, len(eqn.outvars))
 
 
-collect_rules[_jax.remat_p] = _remat_capture
-
-
-construct_names[_jax.remat_p] = '`jax.checkpoint`'
-
-
-def _jit_intervene(injector, eqn, invals):
-  p = eqn.params
-  new, reps = one_body(injector, p['jaxpr'])
-  # Constants of the rewrite (e.g. tracers a callable closes over) enter as
-  # leading arguments.
-  new, consts = hoisted(new)
-  n, k = len(reps), len(consts)
-  return _jax.jit_p.bind(
-      *consts,
-      *invals,
-      *reps,
-      **dict(
-          p,
-          jaxpr=new,
-          in_shardings=(
-              *(_jax.UNSPECIFIED,) * k,
-              *p['in_shardings'],
-              *(_jax.UNSPECIFIED,) * n,
-          ),
-          in_layouts=(*(None,) * k, *p['in_layouts'], *(None,) * n),
-          donated_invars=(
-              *(False,) * k,
-              *p['donated_invars'],
-              *(False,) * n,
-          ),
-      ),
-  )
-
-
-def _closed_call_intervene(injector, eqn, invals):
-  closed = eqn.params['call_jaxpr']
-  return eval_intervening(closed.jaxpr, closed.consts, invals, injector)
-
-
-def _call_intervene(injector, eqn, invals):
-  return eval_intervening(eqn.params['call_jaxpr'], (), invals, injector)
-
-
 def _remat_intervene(injector, eqn, invals):
   p = eqn.params
   new, reps = one_body(injector, _jax.ClosedJaxpr(p['jaxpr'], ()))
@@ -162,13 +135,10 @@ def _remat_intervene(injector, eqn, invals):
   return _jax.remat_p.bind(*consts, *invals, *reps, **dict(p, jaxpr=jaxpr))
 
 
-intervene_rules[_jax.jit_p] = _jit_intervene
-
-
-intervene_rules[_jax.closed_call_p] = _closed_call_intervene
-
-
-intervene_rules[_jax.call_p] = _call_intervene
+collect_rules[_jax.remat_p] = _remat_capture
 
 
 intervene_rules[_jax.remat_p] = _remat_intervene
+
+
+construct_names[_jax.remat_p] = '`jax.checkpoint`'

@@ -71,7 +71,6 @@ from flax.nnx.sow.sites import construct_names
 from flax.nnx.sow.sites import site_annotations
 from flax.nnx.sow.sites import sow_sites
 
-
 # ----------------------------------------------------------------------------
 # cond / switch
 
@@ -264,11 +263,7 @@ def _without_markers(closed, layout: Layout):
 
 
 collect_rules[_jax.cond_p] = _cond_capture
-
-
 construct_names[_jax.cond_p] = '`lax.cond`/`lax.switch`'
-
-
 site_annotations[_jax.cond_p] = lambda eqn, site: control_axes(
     _jax.varying_axes(eqn.invars[0].aval), site
 )

@@ -57,16 +57,15 @@ from flax.nnx.sow.sites import sow_sites
 from flax.nnx.sow.sites import without_staged_sows
 from flax.nnx.sow.sites import without_value_sows_named
 
-
-def _split(outs, n):
-  outs = list(outs)
-  return outs[:n], outs[n:]
-
-
 # ----------------------------------------------------------------------------
 # custom_jvp and custom_vjp: the user's rule usually runs the primal function
 # again (``f.defjvp(lambda p, t: (f(*p), ...))``), sows included, while the
 # rewritten primal body already returns what those sows collect.
+
+
+def _split(outs, n):
+  outs = list(outs)
+  return outs[:n], outs[n:]
 
 
 def stage_vmap_rule(rule, in_tree, out_tree, axis_size, flags, values):
@@ -182,7 +181,38 @@ def _custom_jvp_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
   return collector.split_outputs(layout, outs, n_out)
 
 
+def _custom_jvp_intervene(injector, eqn, invals):
+  p = eqn.params
+  new, reps = one_body(injector, p['call_jaxpr'])
+  n_orig, n_out = len(invals), len(eqn.outvars)
+  _, orig_jvp = eqn.primitive.get_bind_params(p)['subfuns']
+
+  def fun(*args):
+    return _jax.eval_closed(new, args)
+
+  def jvp(*xs):
+    primals, tangents = xs[: len(xs) // 2], xs[len(xs) // 2 :]
+    out = list(orig_jvp.call_wrapped(*primals[:n_orig], *tangents[:n_orig]))
+    # The custom rule gives the tangents (a replacement inside has none);
+    # the primal outputs are those of the body with its sows replaced.
+    return [*_jax.eval_closed(new, primals), *out[n_out:]]
+
+  n_in = n_orig + len(reps)
+  return _jax.custom_jvp_call_p.bind(
+      *invals,
+      *reps,
+      subfuns=(
+          _jax.wrap_init(fun, 'custom_jvp_intervene', n_in),
+          _jax.wrap_init(jvp, 'custom_jvp_intervene_jvp', 2 * n_in),
+      ),
+      symbolic_zeros=p['symbolic_zeros'],
+  )
+
+
 collect_rules[_jax.custom_jvp_call_p] = _custom_jvp_capture
+
+
+intervene_rules[_jax.custom_jvp_call_p] = _custom_jvp_intervene
 
 
 construct_names[_jax.custom_jvp_call_p] = '`jax.custom_jvp`'
@@ -238,7 +268,43 @@ def _custom_vjp_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
   return collector.split_outputs(layout, outs, n_out)
 
 
+def _custom_vjp_intervene(injector, eqn, invals):
+  p = eqn.params
+  new, reps = one_body(injector, p['call_jaxpr'])
+  rep_avals = [_jax.typeof(x) for x in reps]
+  n_orig, n_out = len(invals), len(eqn.outvars)
+  _, orig_fwd, orig_bwd = eqn.primitive.get_bind_params(p)['subfuns']
+
+  def fun(*args):
+    return _jax.eval_closed(new, args)
+
+  def fwd(*args):
+    res_and_outs = list(orig_fwd.call_wrapped(*args[: 2 * n_orig]))
+    outs = _jax.eval_closed(new, args[::2])
+    return [*res_and_outs[: len(res_and_outs) - n_out], *outs]
+
+  def bwd(*args):
+    cts = list(orig_bwd.call_wrapped(*args))
+    return [*cts, *(_jax.Zero(a.to_tangent_aval()) for a in rep_avals)]
+
+  n_in = n_orig + len(reps)
+  return _jax.custom_vjp_call_p.bind(
+      *invals,
+      *reps,
+      subfuns=(
+          _jax.wrap_init(fun, 'custom_vjp_intervene', n_in),
+          _jax.wrap_init(fwd, 'custom_vjp_intervene_fwd', 2 * n_in),
+          _jax.wrap_init(bwd, 'custom_vjp_intervene_bwd', 0),
+      ),
+      out_trees=p['out_trees'],
+      symbolic_zeros=p['symbolic_zeros'],
+  )
+
+
 collect_rules[_jax.custom_vjp_call_p] = _custom_vjp_capture
+
+
+intervene_rules[_jax.custom_vjp_call_p] = _custom_vjp_intervene
 
 
 construct_names[_jax.custom_vjp_call_p] = '`jax.custom_vjp`'
@@ -288,7 +354,19 @@ def _remat_opt_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
   return collector.split_outputs(layout, outs, len(eqn.outvars))
 
 
+def _remat_opt_intervene(injector, eqn, invals):
+  # The forward pass of ``custom_vjp(optimize_remat=True)`` under
+  # differentiation: its sows see primal values and are replaced there.
+  # See ``stage_vmap_rule`` for the parameters.
+  new, reps = one_body(injector, eqn.params['fwd_jaxpr'])
+  new, consts = hoisted(new)
+  return bind_remat_opt(new, [*consts, *invals, *reps], eqn.params['num_res'])
+
+
 collect_rules[_jax.remat_opt_p] = _remat_opt_capture
+
+
+intervene_rules[_jax.remat_opt_p] = _remat_opt_intervene
 
 
 construct_names[_jax.remat_opt_p] = '`jax.custom_vjp` (optimize_remat=True)'
@@ -415,82 +493,6 @@ def _custom_vmap_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
   return collector.split_outputs(layout, outs, n_out)
 
 
-collect_rules[_jax.custom_vmap_p] = _custom_vmap_capture
-
-
-construct_names[_jax.custom_vmap_p] = '`jax.custom_batching.custom_vmap`'
-
-
-def _custom_jvp_intervene(injector, eqn, invals):
-  p = eqn.params
-  new, reps = one_body(injector, p['call_jaxpr'])
-  n_orig, n_out = len(invals), len(eqn.outvars)
-  _, orig_jvp = eqn.primitive.get_bind_params(p)['subfuns']
-
-  def fun(*args):
-    return _jax.eval_closed(new, args)
-
-  def jvp(*xs):
-    primals, tangents = xs[: len(xs) // 2], xs[len(xs) // 2 :]
-    out = list(orig_jvp.call_wrapped(*primals[:n_orig], *tangents[:n_orig]))
-    # The custom rule gives the tangents (a replacement inside has none);
-    # the primal outputs are those of the body with its sows replaced.
-    return [*_jax.eval_closed(new, primals), *out[n_out:]]
-
-  n_in = n_orig + len(reps)
-  return _jax.custom_jvp_call_p.bind(
-      *invals,
-      *reps,
-      subfuns=(
-          _jax.wrap_init(fun, 'custom_jvp_intervene', n_in),
-          _jax.wrap_init(jvp, 'custom_jvp_intervene_jvp', 2 * n_in),
-      ),
-      symbolic_zeros=p['symbolic_zeros'],
-  )
-
-
-def _custom_vjp_intervene(injector, eqn, invals):
-  p = eqn.params
-  new, reps = one_body(injector, p['call_jaxpr'])
-  rep_avals = [_jax.typeof(x) for x in reps]
-  n_orig, n_out = len(invals), len(eqn.outvars)
-  _, orig_fwd, orig_bwd = eqn.primitive.get_bind_params(p)['subfuns']
-
-  def fun(*args):
-    return _jax.eval_closed(new, args)
-
-  def fwd(*args):
-    res_and_outs = list(orig_fwd.call_wrapped(*args[: 2 * n_orig]))
-    outs = _jax.eval_closed(new, args[::2])
-    return [*res_and_outs[: len(res_and_outs) - n_out], *outs]
-
-  def bwd(*args):
-    cts = list(orig_bwd.call_wrapped(*args))
-    return [*cts, *(_jax.Zero(a.to_tangent_aval()) for a in rep_avals)]
-
-  n_in = n_orig + len(reps)
-  return _jax.custom_vjp_call_p.bind(
-      *invals,
-      *reps,
-      subfuns=(
-          _jax.wrap_init(fun, 'custom_vjp_intervene', n_in),
-          _jax.wrap_init(fwd, 'custom_vjp_intervene_fwd', 2 * n_in),
-          _jax.wrap_init(bwd, 'custom_vjp_intervene_bwd', 0),
-      ),
-      out_trees=p['out_trees'],
-      symbolic_zeros=p['symbolic_zeros'],
-  )
-
-
-def _remat_opt_intervene(injector, eqn, invals):
-  # The forward pass of ``custom_vjp(optimize_remat=True)`` under
-  # differentiation: its sows see primal values and are replaced there.
-  # See ``rules.py`` for the parameters.
-  new, reps = one_body(injector, eqn.params['fwd_jaxpr'])
-  new, consts = hoisted(new)
-  return bind_remat_opt(new, [*consts, *invals, *reps], eqn.params['num_res'])
-
-
 class _InterveningVmapRule:
   """The vmap rule of a ``custom_vmap_call`` whose body intervene rewrote.
 
@@ -560,22 +562,24 @@ def _custom_vmap_intervene(injector, eqn, invals):
   return _jax.bind_custom_vmap(new, [*consts, *invals, *reps], rule)
 
 
+collect_rules[_jax.custom_vmap_p] = _custom_vmap_capture
+
+
 intervene_rules[_jax.custom_vmap_p] = _custom_vmap_intervene
 
 
-intervene_rules[_jax.remat_opt_p] = _remat_opt_intervene
+construct_names[_jax.custom_vmap_p] = '`jax.custom_batching.custom_vmap`'
 
 
-intervene_rules[_jax.custom_jvp_call_p] = _custom_jvp_intervene
-
-
-intervene_rules[_jax.custom_vjp_call_p] = _custom_vjp_intervene
+# ----------------------------------------------------------------------------
+# A differentiated custom call whose rule does not run the primal body
+# (``custom_jvp_bind``/``custom_vjp_bind`` in the patch inventory): while a
+# capture stages, the names only the body sows are collected by evaluating
+# the body once on the primal values.
 
 
 def _value_sow_names(closed: _jax.ClosedJaxpr) -> frozenset:
-  return frozenset(
-      s.name for s in sow_sites(closed.jaxpr) if s.kind == 'value'
-  )
+  return frozenset(s.name for s in sow_sites(closed.jaxpr) if s.kind == 'value')
 
 
 def _holds_remat_opt(jaxpr: _jax.Jaxpr) -> bool:

@@ -61,7 +61,6 @@ from flax.nnx.sow.sites import PLAIN_SOWS
 from flax.nnx.sow.sites import construct_names
 from flax.nnx.sow.sites import sow_sites
 
-
 # ----------------------------------------------------------------------------
 # scan
 
@@ -89,7 +88,7 @@ def _scan_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
         + list(range(n_carry_out + n_ys))
         + [base + i for i in range(n_entries)]
     )
-    return permuted(rewritten, in_order, out_order, 'scan_capture_body')
+    return permuted(rewritten, in_order, out_order)
 
   new_body, lifted = hoisted(
       cached(rewritten, ('scan', n_consts, n_carry, n_acc, n_ys), build)
@@ -115,8 +114,6 @@ def _scan_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
 
 
 collect_rules[_jax.scan_p] = _scan_capture
-
-
 construct_names[_jax.scan_p] = '`lax.scan`'
 
 
@@ -270,17 +267,9 @@ def _sow_partial_eval_custom(rule, saveable, unks_in, inst_in, eqn):
 
 
 _jax.custom_partial_eval_rules[sow_p] = _sow_partial_eval
-
-
 _jax_patches.register('scan_hoisting', _keeping_sows_in_loops)
-
-
 _jax_patches.register('scan_remat_rule', _in_scan_remat_rule)
-
-
 _jax_patches.register('partial_eval_nounits', _partial_eval_nounits)
-
-
 _jax.wrap_rule(
     _jax.partial_eval_jaxpr_custom_rules, sow_p, _sow_partial_eval_custom
 )

@@ -32,7 +32,7 @@ invariant is sown as varying: the body is first marked by ``control.py``.
 
 A reduced name keeps one accumulator per shard the same way: outside, it has
 the leading axes of the union of the axes its sites vary over
-(:class:`~flax.nnx.sow.collect.ShardAxes`); it enters the body split by the same spec, so
+(:class:`~flax.nnx.sow.sites.ShardAxes`); it enters the body split by the same spec, so
 each shard folds only its own values. A name new in the scope starts from
 ``init_fn()`` run on every shard by a ``shard_map`` with no inputs (the
 function was traced inside the body, under its mesh). Such a name may not
@@ -180,7 +180,7 @@ def _start_accumulators(collector: Collector, eqn: _jax.JaxprEqn, sites):
 
   ``init_fn()`` was traced inside the ``shard_map`` body, so it runs there:
   a ``shard_map`` with no inputs returns each shard's ``init_fn()`` with the
-  leading axes of the name (:class:`capture.ShardAxes`), laid out over the
+  leading axes of the name (:class:`~flax.nnx.sow.sites.ShardAxes`), laid out over the
   mesh like the accumulator it starts. Names the collector already holds,
   and those whose ``init_fn`` reads values traced in the body, are left to
   :meth:`Collector.reduced_specs_of` (which continues or refuses them).
@@ -343,8 +343,6 @@ def _rewrite_body(body: _jax.Jaxpr, accepts_key, specs, params):
 
 
 collect_rules[_jax.shard_map_p] = _shard_map_capture
-
-
 construct_names[_jax.shard_map_p] = '`jax.shard_map`'
 
 
@@ -398,9 +396,7 @@ def _collected_now(tag, reduction, kind, name) -> bool:
   return (
       reduction is None
       and kind not in MARKER_KINDS
-      and any(
-          accepts(key, tag, None, kind, name) for key in staging_captures()
-      )
+      and any(accepts(key, tag, None, kind, name) for key in staging_captures())
   )
 
 
@@ -420,7 +416,7 @@ def _sow_batch(original, axis_data, leaves, dims, **params):
 def _loop_batch(original, axis_data, args, dims, **params):
   """``scan``/``cond`` batching inside a vmapped ``shard_map`` body.
 
-  ``batching.py`` hoists the plain sows of a batched ``scan`` or ``cond``
+  ``constructs/batched.py`` hoists the plain sows of a batched ``scan`` or ``cond``
   out of it and sows them again with batch dimensions, which the sow's own
   batching rule (``_sow_batch``) never sees; such a sow raises here.
   """
@@ -435,14 +431,8 @@ def _loop_batch(original, axis_data, args, dims, **params):
 
 
 _jax_patches.register('batch_shard_map', _batch_shard_map)
-
-
 _jax.wrap_rule(_jax.fancy_primitive_batchers, sow_p, _sow_batch)
-
-
 _jax_patches.register('scan_batching_shard_map', _loop_batch)
-
-
 _jax_patches.register('cond_batching_shard_map', _loop_batch)
 
 

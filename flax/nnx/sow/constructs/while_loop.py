@@ -44,6 +44,7 @@ from flax.nnx.sow.collect import cached
 from flax.nnx.sow.collect import collect_rules
 from flax.nnx.sow.constructs.adapter import hoisted
 from flax.nnx.sow.constructs.adapter import permuted
+from flax.nnx.sow.constructs.adapter import with_unused_inputs
 from flax.nnx.sow.control import NO_AXES
 from flax.nnx.sow.control import control_axes
 from flax.nnx.sow.control import control_rules
@@ -56,7 +57,6 @@ from flax.nnx.sow.sites import edit_sows
 from flax.nnx.sow.sites import site_annotations
 from flax.nnx.sow.sites import sow_sites
 from flax.nnx.sow.sites import without_staged_sows
-
 
 # ----------------------------------------------------------------------------
 # while
@@ -111,17 +111,11 @@ def _while_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
         i if i < n_bc else i + n_acc for i in range(n_bc + n_carry)
     ]
     out_order = [n_carry + i for i in range(n_acc)] + list(range(n_carry))
-    return permuted(rewritten, in_order, out_order, 'while_capture_body')
+    return permuted(rewritten, in_order, out_order)
 
   def build_cond():
     # cond: [cconsts, acc, carry] -> pred, ignoring acc.
-    acc_avals = [_jax.typeof(x) for x in acc_in]
-    avals = [*cond.in_avals[:n_cc], *acc_avals, *cond.in_avals[n_cc:]]
-
-    def fn(*args):
-      return _jax.eval_closed(cond, [*args[:n_cc], *args[n_cc + n_acc :]])
-
-    return _jax.trace_to_closed_jaxpr(fn, avals, 'while_capture_cond')
+    return with_unused_inputs(cond, [_jax.typeof(x) for x in acc_in], n_cc)
 
   new_body, body_hoisted = hoisted(
       cached(rewritten, ('while_body', n_bc, n_acc), build_body)
@@ -155,11 +149,7 @@ def _while_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
 
 
 collect_rules[_jax.while_p] = _while_capture
-
-
 construct_names[_jax.while_p] = '`lax.while_loop`'
-
-
 site_annotations[_jax.while_p] = lambda eqn, site: control_axes(
     _jax.varying_axes(eqn.params['cond_jaxpr'].out_avals[0]), site
 )
@@ -233,6 +223,26 @@ def _while_intervene(injector, eqn, invals):
 
 
 intervene_rules[_jax.while_p] = _while_intervene
+
+
+# ----------------------------------------------------------------------------
+# while under remat: the recomputed copy collects nothing.
+#
+# ``jax.checkpoint``'s partial evaluation of a ``while_loop``
+# (``_while_partial_eval_custom``) keeps the known loop and stages the whole
+# equation again for the recomputation, sows included, so a sow in the body
+# would be collected twice. Where a known loop runs, the staged copy's sows
+# become remat copies (collected nowhere), as ``sow_p``'s own rule does.
+#
+# A ``custom_jvp``/``custom_vjp`` call in the body needs one step more. It has
+# no partial-evaluation rule: JAX's default runs a known effectful equation
+# once and saves its outputs rather than recompute it, which is right for a
+# call holding a staged sow anywhere but in a ``while_loop`` body, which can
+# save nothing (JAX's rule asserts it has no residual). So while JAX's rule
+# runs, the staged sows in such calls are hidden (``remat_copy=HIDDEN``: no
+# effect, collected by nothing) and JAX recomputes the calls as pure
+# equations; in the known loop it returns they collect again, and in the
+# staged one they are remat copies, so each is collected once.
 
 
 def _hide_in_custom_calls(params: dict, in_custom_call: bool) -> dict | None:

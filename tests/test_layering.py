@@ -85,9 +85,7 @@ class LayeringTest(absltest.TestCase):
 
   def test_no_import_cycles(self):
     modules = _modules()
-    graph = {
-        m: _package_imports(t, modules) - {m} for m, t in modules.items()
-    }
+    graph = {m: _package_imports(t, modules) - {m} for m, t in modules.items()}
     graph.pop('__init__', None)
     for deps in graph.values():
       deps.discard('__init__')
@@ -121,8 +119,10 @@ class LayeringTest(absltest.TestCase):
         continue
       jax_names = {'jax', '_jax'}
       for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module and (
-            node.module == 'jax' or node.module.startswith('jax.')
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and (node.module == 'jax' or node.module.startswith('jax.'))
         ):
           jax_names.update(a.asname or a.name for a in node.names)
         elif isinstance(node, ast.Import):
@@ -132,9 +132,9 @@ class LayeringTest(absltest.TestCase):
       for node in ast.walk(tree):
         targets = []
         if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
-          targets = node.targets if isinstance(node, ast.Assign) else [
-              node.target
-          ]
+          targets = (
+              node.targets if isinstance(node, ast.Assign) else [node.target]
+          )
         for target in targets:
           if isinstance(target, ast.Attribute):
             base = target.value
@@ -169,7 +169,9 @@ class LayeringTest(absltest.TestCase):
       self.assertEmpty(bad, f'{name}.py imports {bad} (NNX layer only)')
       if name == '__init__':
         continue
-      nnx = sorted(m for m in _package_imports(tree, modules) if _in_nnx_layer(m))
+      nnx = sorted(
+          m for m in _package_imports(tree, modules) if _in_nnx_layer(m)
+      )
       self.assertEmpty(nnx, f'core file {name}.py imports NNX layer {nnx}')
 
   def test_the_nnx_layer_is_a_subpackage(self):
@@ -182,21 +184,50 @@ class LayeringTest(absltest.TestCase):
     # Every file that imports flax.nnx lives in it.
     for name, tree in modules.items():
       if any(
-          n == 'flax.nnx' or (n.startswith('flax.nnx.') and not n.startswith(PREFIX))
+          n == 'flax.nnx'
+          or (n.startswith('flax.nnx.') and not n.startswith(PREFIX))
           for n in _imported(tree)
       ):
         self.assertTrue(_in_nnx_layer(name), name)
 
-
   def test_pyproject_lists_every_subpackage(self):
     # A package missing from ``packages`` is left out of ``pip install .``.
-    pyproject = tomllib.loads((PACKAGE.parents[2] / 'pyproject.toml').read_text())
+    pyproject = tomllib.loads(
+        (PACKAGE.parents[2] / 'pyproject.toml').read_text()
+    )
     listed = set(pyproject['tool']['setuptools']['packages'])
     on_disk = {
         '.'.join(('flax', 'nnx', 'sow', *p.parent.relative_to(PACKAGE).parts))
         for p in PACKAGE.rglob('__init__.py')
     }
     self.assertEqual(listed, on_disk)
+
+
+class JaxVersionGateTest(absltest.TestCase):
+  """``_jax.py`` refuses an untested JAX at import, with the range it wants."""
+
+  def test_outside_the_range_raises_naming_it(self):
+    from flax.nnx.sow import _jax  # pylint: disable=g-import-not-at-top
+
+    for version in ('0.10.1', '0.11.0', '0.9.9', '1.0.0'):
+      with self.assertRaisesRegex(ImportError, r'jax>=0\.10\.2,<0\.11\.0'):
+        _jax.check_jax_version(version)
+    for version in ('0.10.2', '0.10.9', '0.10.3.dev20261201', '0.10.4rc1'):
+      _jax.check_jax_version(version)  # no error
+
+  def test_range_is_the_one_pyproject_declares(self):
+    from flax.nnx.sow import _jax  # pylint: disable=g-import-not-at-top
+
+    pyproject = tomllib.loads(
+        (PACKAGE.parents[2] / 'pyproject.toml').read_text()
+    )
+    jax_req = next(
+        r for r in pyproject['project']['dependencies'] if r.startswith('jax>')
+    )
+    low, high = _jax.TESTED_JAX
+    low_s = '.'.join(map(str, low))
+    high_s = '.'.join(str(x) for x in high[:2])
+    self.assertEqual(jax_req, f'jax>={low_s},<{high_s}')
 
 
 if __name__ == '__main__':

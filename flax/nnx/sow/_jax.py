@@ -16,7 +16,9 @@
 
 Every ``jax._src`` name the rewrite and the rules use is imported here, so a
 new JAX release is adapted in this file alone. The tested range is declared in
-``pyproject.toml`` (``jax>=0.10.2,<0.11``).
+``pyproject.toml`` (``jax>=0.10.2,<0.11``) and checked here at import
+(:func:`check_jax_version`): outside it, importing ``flax.nnx.sow`` raises an
+``ImportError`` that names the range, before any internal is read.
 """
 
 from __future__ import annotations
@@ -29,6 +31,38 @@ import typing as tp
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+# The JAX versions these aliases were written and tested against (also in
+# pyproject.toml). Outside the range a renamed internal would fail somewhere
+# deep in a capture; fail here instead, saying what to do.
+TESTED_JAX = ((0, 10, 2), (0, 11, 0))  # [lowest, first untested)
+
+
+def _release(version: str) -> tuple[int, ...]:
+  parts = []
+  for p in version.split('.')[:3]:
+    digits = ''.join(c for c in p if c.isdigit()) or '0'
+    parts.append(int(digits))
+  return tuple(parts + [0] * (3 - len(parts)))
+
+
+def check_jax_version(version: str) -> None:
+  """Raises ``ImportError`` unless ``version`` is in :data:`TESTED_JAX`."""
+  low, high = TESTED_JAX
+  if not low <= _release(version) < high:
+    raise ImportError(
+        f'flax.nnx.sow was tested with jax>={".".join(map(str, low))},'
+        f'<{".".join(map(str, high))} and reads JAX internals that change'
+        f' between releases; found jax {version}. Install a JAX in that'
+        ' range, or adapt flax/nnx/sow/_jax.py (the only file that reads'
+        ' JAX internals) and widen the range there and in pyproject.toml.'
+    )
+
+
+check_jax_version(jax.__version__)
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+# (after the version check, so an untested JAX gets its message first)
 from jax._src import ad_checkpoint
 from jax._src import core
 from jax._src import custom_batching
@@ -50,6 +84,9 @@ from jax._src.interpreters import partial_eval as pe
 from jax._src.lax import control_flow as lax_control_flow
 from jax._src.named_sharding import UNSPECIFIED
 from jax.experimental import jet as jet_lib
+
+# pylint: enable=g-import-not-at-top,wrong-import-position
+
 
 Jaxpr = core.Jaxpr
 ClosedJaxpr = core.ClosedJaxpr
@@ -89,6 +126,7 @@ def partial_eval_jaxpr_nounits(*args, **kwargs):
   """``pe.partial_eval_jaxpr_nounits``, looked up at each call (it is
   wrapped: see ``_jax_patches.py``)."""
   return pe.partial_eval_jaxpr_nounits(*args, **kwargs)
+
 
 primitive_jvps = ad.primitive_jvps
 primitive_transposes = ad.primitive_transposes

@@ -24,7 +24,6 @@ new JAX release is adapted in this file alone. The tested range is declared in
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import typing as tp
 
@@ -63,7 +62,6 @@ check_jax_version(jax.__version__)
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 # (after the version check, so an untested JAX gets its message first)
-from jax._src import ad_checkpoint
 from jax._src import core
 from jax._src import custom_batching
 from jax._src import custom_derivatives
@@ -71,7 +69,6 @@ from jax._src import effects
 from jax._src import linear_util as lu
 from jax._src import config as jax_config
 from jax._src import mesh as mesh_lib
-from jax._src import pjit
 from jax._src import shard_map as shard_map_lib
 from jax._src import sharding_impls
 from jax._src import source_info_util
@@ -84,34 +81,37 @@ from jax._src.interpreters import partial_eval as pe
 from jax._src.lax import control_flow as lax_control_flow
 from jax._src.named_sharding import UNSPECIFIED
 from jax.experimental import jet as jet_lib
+from jax.extend import core as jex_core
+from jax.extend.core import primitives as jex_primitives
 
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 
-Jaxpr = core.Jaxpr
-ClosedJaxpr = core.ClosedJaxpr
-JaxprEqn = core.JaxprEqn
-Literal = core.Literal
-Var = core.Var
-Primitive = core.Primitive
-Effect = effects.Effect
+# Public names first (jax.extend), internal ones where JAX exposes none.
+Jaxpr = jex_core.Jaxpr
+ClosedJaxpr = jex_core.ClosedJaxpr
+JaxprEqn = jex_core.JaxprEqn
+Literal = jex_core.Literal
+Var = jex_core.Var
+Primitive = jex_core.Primitive
+Effect = jex_core.Effect
 Zero = ad.Zero
 ShapedArray = core.ShapedArray
 
-jit_p = pjit.jit_p
-closed_call_p = core.closed_call_p
-call_p = core.call_p
-remat_p = ad_checkpoint.remat_p
-custom_jvp_call_p = custom_derivatives.custom_jvp_call_p
-custom_vjp_call_p = custom_derivatives.custom_vjp_call_p
+jit_p = jex_primitives.jit_p
+closed_call_p = jex_primitives.closed_call_p
+call_p = jex_primitives.call_p
+remat_p = jex_primitives.remat_p
+custom_jvp_call_p = jex_primitives.custom_jvp_call_p
+custom_vjp_call_p = jex_primitives.custom_vjp_call_p
+scan_p = jex_primitives.scan_p
+while_p = jex_primitives.while_p
+cond_p = jex_primitives.cond_p
 # The forward pass of a ``custom_vjp`` with ``optimize_remat=True``.
 remat_opt_p = custom_derivatives.remat_opt_p
 custom_vmap_p = custom_batching.custom_vmap_p
-scan_p = lax_control_flow.scan_p
-while_p = lax_control_flow.while_p
 shard_map_p = shard_map_lib.shard_map_p
 shard_aval = core.shard_aval
-cond_p = lax_control_flow.cond_p
 
 typeof = core.typeof
 Trace = core.Trace

@@ -47,19 +47,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from flax.nnx.sow import _jax
-from flax.nnx.sow import reductions
 from flax.nnx.sow.primitive import MARKER_KINDS
 from flax.nnx.sow.primitive import Name
 from flax.nnx.sow.primitive import sow_p
 from flax.nnx.sow.reductions import Accumulator
 from flax.nnx.sow.reductions import Reduction
-from flax.nnx.sow.reductions import strong
-from flax.nnx.sow.sites import ShardAxes
+from flax.nnx.sow.accumulators import Accumulators
+from flax.nnx.sow.accumulators import ReducedSpec
+from flax.nnx.sow.accumulators import _reduction_error
 from flax.nnx.sow.sites import SowSite
 from flax.nnx.sow.sites import accepts
 from flax.nnx.sow.sites import as_jaxpr
 from flax.nnx.sow.sites import construct_name
-from flax.nnx.sow.sites import init_order_sites
 from flax.nnx.sow.sites import sow_sites
 from flax.nnx.sow.sites import where
 
@@ -107,18 +106,6 @@ def _around(hook, run, tags, in_place):
   return lambda f, a, kw: hook(run, f, a, kw, tags=tags, in_place=in_place)
 
 
-@dataclasses.dataclass(frozen=True)
-class ReducedSpec:
-  """What a rewritten sub-jaxpr takes and returns for one reduced name."""
-
-  name: Name
-  treedef: tp.Any
-  avals: tuple[tp.Any, ...]
-  # Set when the name is sown inside a ``shard_map``: one accumulator per
-  # shard, with these leading axes.
-  sharded: ShardAxes | None = None
-
-
 class EntrySpec(tp.NamedTuple):
   """One plain entry among a rewritten jaxpr's extra outputs.
 
@@ -164,17 +151,6 @@ class Layout:
     return self.num_entry_leaves + self.num_accumulator_leaves
 
 
-def _sharded_error(name, where_=''):
-  return ValueError(
-      f'sow {name!r}{where_}: this reduced name is sown inside a'
-      ' `jax.shard_map` (or `jax.pmap`) and also outside it, or inside'
-      ' shard_maps whose values vary over different mesh axes. Inside a'
-      ' shard_map each shard keeps its own accumulator, which cannot be'
-      ' folded together with values from elsewhere; give the sites'
-      ' different names and combine the results yourself.'
-  )
-
-
 def _meaning_error(name, where_=''):
   return ValueError(
       f'capture: {name!r}{where_} is used by sow(...) and by perturb(...) in'
@@ -212,15 +188,6 @@ def _in_call_order(items: list[tuple[EntrySpec, tp.Any]]) -> list[tp.Any]:
   return [v for p in passes for v in reversed(p)]
 
 
-def _reduction_error(name, where_=''):
-  return ValueError(
-      f'sow {name!r}{where_}: one site of this name reduces (reduce_fn/'
-      'init_fn) and another does not. A name is either reduced into one'
-      ' accumulator or collected as a tuple of values; give the sites'
-      ' different names, or pass reduce_fn/init_fn at every site.'
-  )
-
-
 class Collector:
   """What one capture has collected so far in one scope of the program.
 
@@ -234,19 +201,20 @@ class Collector:
   accumulator, and its type is fixed.
   """
 
-  python_folds = False
-
-  def __init__(self, accepts_key: frozenset | None):
+  def __init__(self, accepts_key: frozenset | None, python_folds: bool = False):
     self.accepts_key = accepts_key
+    self.python_folds = python_folds
     self.entries: list[tuple[EntrySpec, list[tp.Any]]] = []
-    self.accumulators: dict[Name, Accumulator] = {}
     self.names: dict[Name, None] = {}
     self.plain_names: set[Name] = set()
     # 'value' or 'cotangent' per name: one name, one meaning.
     self.meanings: dict[Name, str] = {}
-    # Reduced names kept per shard of a ``shard_map`` (their accumulators
-    # have the leading mesh axes of ``ShardAxes``).
-    self.sharded: dict[Name, ShardAxes] = {}
+    self.reduced = Accumulators(
+        self.claim,
+        self.plain_names.__contains__,
+        lambda s: self.accepts(s.tag, s.reduction, s.kind, s.name),
+        python_folds,
+    )
 
   # -- which sows this capture takes --------------------------------------
 
@@ -291,128 +259,12 @@ class Collector:
   def add_entry(
       self, spec: EntrySpec, leaves: tp.Sequence[tp.Any], where_: str = ''
   ):
-    if spec.name in self.accumulators:
+    if spec.name in self.reduced:
       raise _reduction_error(spec.name, where_)
     self.claim(spec.name, spec.kind, where_)
     self.names.setdefault(spec.name, None)
     self.plain_names.add(spec.name)
     self.entries.append((spec, list(leaves)))
-
-  # -- reduced names --------------------------------------------------------
-  #
-  # A reduced name keeps one accumulator per scope. It starts from the
-  # ``init_fn()`` of the first site of the name that the program reaches;
-  # every site then folds its value with its own ``reduce_fn``. Inside a
-  # loop or branch the accumulator is carried through the rewritten
-  # sub-jaxpr (``reduced_specs``, ``ReducedSpec``), so its type is fixed.
-
-  def accumulator(
-      self,
-      name: Name,
-      reduction: Reduction,
-      value,
-      where_: str = '',
-      closure=(),
-      sharded: ShardAxes | None = None,
-  ) -> Accumulator:
-    """The accumulator of ``name``, created from ``init_fn()`` if new.
-
-    ``value`` is ``(treedef, avals)`` of one sown value; ``closure`` the
-    site's closure operands (``reductions.py``). ``sharded``: the site is
-    inside a ``shard_map``, so the accumulator has one copy per shard.
-    """
-    acc = self.accumulators.get(name)
-    if acc is None:
-      self.claim(name, 'value', where_)
-      if name in self.plain_names:
-        raise _reduction_error(name, where_)
-      acc = reductions.initial_accumulator(reduction, *value, closure)
-      if sharded is not None:
-        acc = Accumulator(
-            acc.treedef,
-            tuple(
-                jax.numpy.broadcast_to(x, (*sharded.shape, *x.shape))
-                for x in acc.leaves
-            ),
-        )
-        self.sharded[name] = sharded
-      self.accumulators[name] = acc
-    elif self.sharded.get(name) != sharded:
-      raise _sharded_error(name, where_)
-    return acc
-
-  def reduce(
-      self,
-      name: Name,
-      reduction: Reduction,
-      treedef,
-      leaves,
-      batch_dims=0,
-      where_: str = '',
-      closure=(),
-  ):
-    """Folds one sown value (or, with ``batch_dims``, a batch) into ``name``.
-
-    ``closure`` holds the site's closure operands, with the same leading
-    batch axes as ``leaves``.
-    """
-    value_avals = [
-        _jax.ShapedArray(_jax.typeof(x).shape[batch_dims:], x.dtype)
-        for x in leaves
-    ]
-    closure = list(closure)
-    if batch_dims and closure:
-      # Under vmap every example has its own closure; the accumulator is
-      # created from the first example's.
-      first = [x[(0,) * batch_dims] for x in closure]
-    else:
-      first = closure
-    acc = self.accumulator(
-        name, reduction, (treedef, value_avals), where_, first
-    )
-    self.names.setdefault(name, None)
-
-    def step(acc_leaves, value_leaves, closure_leaves):
-      new_leaves, new_treedef = reductions.fold(
-          reduction,
-          Accumulator(acc.treedef, tuple(acc_leaves)),
-          treedef,
-          value_leaves,
-          closure_leaves,
-      )
-      new_leaves = tuple(strong(x) for x in new_leaves)
-      new_avals = tuple(_jax.typeof(x) for x in new_leaves)
-      changed = new_treedef != acc.treedef or not _same_types(
-          new_avals, acc.avals
-      )
-      if changed and (
-          reduction.fixed_type or batch_dims or not self.python_folds
-      ):
-        raise ValueError(
-            f'sow {name!r}{where_}: reduce_fn changed the accumulator from'
-            f' {_describe(acc.treedef, acc.avals)} to'
-            f' {_describe(new_treedef, new_avals)}. The accumulator must keep'
-            ' its structure, shape and dtype; make init_fn() return a value'
-            ' of the type reduce_fn produces (e.g. with the right dtype).'
-            + _CARRIED_NOTE * (not reduction.fixed_type)
-        )
-      treedef_box[:] = [new_treedef]
-      return new_leaves
-
-    treedef_box = [acc.treedef]
-
-    if batch_dims:
-      # Values sown under vmap: one reduction per example, in order.
-      n = len(leaves)
-      batch = [
-          x.reshape((-1, *x.shape[batch_dims:])) for x in [*leaves, *closure]
-      ]
-      new_leaves, _ = jax.lax.scan(
-          lambda a, v: (step(a, v[:n], v[n:]), None), acc.leaves, batch
-      )
-    else:
-      new_leaves = step(acc.leaves, leaves, closure)
-    self.accumulators[name] = Accumulator(treedef_box[0], tuple(new_leaves))
 
   def on_sow(self, eqn: _jax.JaxprEqn, invals: list[tp.Any]) -> list[tp.Any]:
     p = eqn.params
@@ -459,7 +311,8 @@ class Collector:
       )
       self.add_entry(spec, values, where_)
     else:
-      self.reduce(
+      self.names.setdefault(p['name'], None)
+      self.reduced.fold(
           p['name'],
           p['reduction'],
           p['treedef'],
@@ -471,91 +324,6 @@ class Collector:
     return given
 
   # -- sub-jaxprs ---------------------------------------------------------
-
-  def reduced_specs(
-      self, jaxprs, *, branches: bool = False
-  ) -> tuple[ReducedSpec, ...]:
-    """Specs of the reduced names sown in ``jaxprs``; creates accumulators.
-
-    A name not yet reduced in this scope starts from the ``init_fn()`` of
-    its first site in ``jaxprs`` in :func:`init_order_sites`'s order;
-    ``branches``: ``jaxprs`` are the branches of a ``cond`` (two of them:
-    the second first).
-    """
-    jaxprs = list(jaxprs)
-    order = jaxprs[::-1] if branches and len(jaxprs) == 2 else jaxprs
-    first: dict[Name, SowSite] = {}
-    for j in order:
-      for site in init_order_sites(as_jaxpr(j)):
-        if self.accepts(site.tag, site.reduction, site.kind, site.name):
-          first.setdefault(site.name, site)
-    return self.reduced_specs_of(self.accepted_sites(jaxprs), first)
-
-  def reduced_specs_of(
-      self,
-      sites: tp.Sequence[SowSite],
-      first: tp.Mapping[Name, SowSite] | None = None,
-  ) -> tuple[ReducedSpec, ...]:
-    """:meth:`reduced_specs` for sites found by the caller; ``first`` may
-    say which site of a name starts its accumulator (by default the first
-    in ``sites``)."""
-    sites = [s for s in sites if s.kind not in MARKER_KINDS]
-    # A name sown inside a shard_map is kept per shard over the union of
-    # the axes its sites vary over.
-    sharded: dict[Name, ShardAxes | None] = {}
-    for site in sites:
-      if site.reduction is None:
-        continue
-      if site.name not in sharded:
-        sharded[site.name] = site.sharded
-        continue
-      seen = sharded[site.name]
-      both = (
-          None
-          if seen is None or site.sharded is None
-          else seen.union(site.sharded)
-      )
-      if (seen is None) != (site.sharded is None) or (
-          seen is not None and both is None
-      ):
-        raise _sharded_error(site.name, site.where)
-      sharded[site.name] = both
-    first = dict(first or {})
-    for site in sites:
-      if site.reduction is not None:
-        first.setdefault(site.name, site)
-    specs: dict[Name, ReducedSpec] = {}
-    for site in sites:
-      if site.reduction is None:
-        if site.name in self.accumulators:
-          raise _reduction_error(site.name, site.where)
-        continue
-      if site.name in specs:
-        continue
-      site = first[site.name]
-      snap = site.reduction.snapshot
-      if (
-          site.name not in self.accumulators
-          and snap is not None
-          and snap.n_init_closure
-      ):
-        raise NotImplementedError(
-            f'sow {site.name!r}{site.where}: its init_fn reads a value traced'
-            ' inside the construct that holds the sow, but the accumulator'
-            ' is created before the construct runs. Make init_fn return'
-            ' constants (e.g. jnp.zeros(shape)).'
-        )
-      acc = self.accumulator(
-          site.name,
-          site.reduction,
-          (site.eqn.params['treedef'], site.value_avals()),
-          site.where,
-          sharded=sharded[site.name],
-      )
-      specs[site.name] = ReducedSpec(
-          site.name, acc.treedef, acc.avals, self.sharded.get(site.name)
-      )
-    return tuple(specs.values())
 
   def prepare(
       self, jaxpr: _jax.ClosedJaxpr, python_folds: bool = False
@@ -569,33 +337,9 @@ class Collector:
       the sub-jaxpr runs once per equation, its sows folded in order (a
       ``jit``, see :class:`Collector`).
     """
-    specs = self.reduced_specs([jaxpr])
+    specs = self.reduced.specs([jaxpr])
     rewritten, layout = self.rewrite(jaxpr, specs, python_folds)
-    return rewritten, layout, self.accumulator_leaves(specs)
-
-  def vary_accumulators(
-      self, specs: tuple[ReducedSpec, ...], axes: frozenset
-  ) -> tuple[ReducedSpec, ...]:
-    """Marks the accumulators of ``specs`` as varying over manual ``axes``.
-
-    Inside ``shard_map``, a loop or branch whose predicate varies over mesh
-    axes runs differently per shard, so what it folds does too, even where
-    the values do not vary (a step counter); JAX's types do not say so.
-    """
-    if not axes:
-      return specs
-    out = []
-    for spec in specs:
-      acc = self.accumulators[spec.name]
-      acc = Accumulator(
-          acc.treedef, tuple(_jax.pvary(x, tuple(axes)) for x in acc.leaves)
-      )
-      self.accumulators[spec.name] = acc
-      out.append(dataclasses.replace(spec, avals=acc.avals))
-    return tuple(out)
-
-  def accumulator_leaves(self, specs: tp.Sequence[ReducedSpec]) -> list:
-    return [x for s in specs for x in self.accumulators[s.name].leaves]
+    return rewritten, layout, self.reduced.leaves(specs)
 
   def rewrite(
       self,
@@ -626,25 +370,7 @@ class Collector:
       pos += spec.size
     for spec in layout.reduced:
       n = len(spec.avals)
-      acc = self.accumulators.get(spec.name)
-      if (
-          not self.python_folds
-          and acc is not None
-          and (
-              spec.treedef != acc.treedef
-              or not _same_types(spec.avals, acc.avals)
-          )
-      ):
-        raise ValueError(
-            f'sow {spec.name!r}: reduce_fn changed the accumulator from'
-            f' {_describe(acc.treedef, acc.avals)} to'
-            f' {_describe(spec.treedef, spec.avals)} inside a `jax.jit`'
-            ' within a loop or branch, which carries it with a fixed type.'
-            ' Make init_fn() return a value of the type reduce_fn produces.'
-        )
-      self.accumulators[spec.name] = Accumulator(
-          spec.treedef, tuple(extra[pos : pos + n])
-      )
+      self.reduced.absorb(spec, extra[pos : pos + n])
       pos += n
     for spec in layout.reduced:
       self.names.setdefault(spec.name, None)
@@ -659,20 +385,11 @@ class Collector:
 
   def layout(self, specs: tuple[ReducedSpec, ...]) -> Layout:
     entries = tuple(spec for spec, _ in self.entries)
-    reduced = tuple(
-        ReducedSpec(
-            s.name,
-            self.accumulators[s.name].treedef,
-            self.accumulators[s.name].avals,
-            s.sharded,
-        )
-        for s in specs
-    )
-    return Layout(entries, reduced, tuple(self.names))
+    return Layout(entries, self.reduced.current(specs), tuple(self.names))
 
   def extra_outputs(self, specs: tuple[ReducedSpec, ...]) -> list[tp.Any]:
     leaves = [x for _, ls in self.entries for x in ls]
-    return leaves + self.accumulator_leaves(specs)
+    return leaves + self.reduced.leaves(specs)
 
   def result(self) -> Collected:
     """The ``collected`` dict: names in order of first sow."""
@@ -685,8 +402,8 @@ class Collector:
     out = Collected()
     cotangents = set()
     for name in self.names:
-      if name in self.accumulators:
-        acc = self.accumulators[name]
+      if name in self.reduced:
+        acc = self.reduced.get(name)
         out[name] = jax.tree_util.tree_unflatten(acc.treedef, acc.leaves)
       elif self.meanings.get(name) == 'cotangent':
         values = _in_call_order(plain.get(name, []))
@@ -782,24 +499,6 @@ jax.export.register_pytree_node_serialization(
     serialize_auxdata=_serialize_collected_aux,
     deserialize_auxdata=_deserialize_collected_aux,
 )
-
-
-_CARRIED_NOTE = (
-    ' (Module.sow lets reduce_fn change it only where no loop, branch or'
-    ' vmap carries the accumulator: at the top level of the capture or in'
-    ' a jit body.)'
-)
-
-
-def _same_types(a, b) -> bool:
-  return len(a) == len(b) and all(
-      x.shape == y.shape and x.dtype == y.dtype for x, y in zip(a, b)
-  )
-
-
-def _describe(treedef, avals) -> str:
-  types = ', '.join(a.str_short() for a in avals)
-  return f'{treedef} of [{types}]'
 
 
 # ----------------------------------------------------------------------------
@@ -934,16 +633,12 @@ def _rewrite_jaxpr(jaxpr, accepts_key, specs, python_folds=False):
 
   def rewritten(*args):
     acc_leaves, inputs = args[:num_acc], args[num_acc:]
-    inner = Collector(accepts_key)
-    inner.python_folds = python_folds
+    inner = Collector(accepts_key, python_folds)
     pos = 0
     for s in specs:
       n = len(s.avals)
-      inner.accumulators[s.name] = Accumulator(
-          s.treedef, tuple(acc_leaves[pos : pos + n])
-      )
-      if s.sharded is not None:
-        inner.sharded[s.name] = s.sharded
+      acc = Accumulator(s.treedef, tuple(acc_leaves[pos : pos + n]))
+      inner.reduced.put(s.name, acc, s.sharded)
       pos += n
     outs = eval_collecting(jaxpr.jaxpr, jaxpr.consts, inputs, inner)
     layout_box.append(inner.layout(specs))

@@ -68,7 +68,7 @@ class Reduction:
   ``fixed_type``: the accumulator keeps its structure, shape and dtype at
   every fold (the functional ``sow``). ``False`` (``Module.sow``, as in Flax)
   lets a fold change it where the fold runs in Python, not carried by a
-  loop or branch (``collect.Collector.reduce``).
+  loop or branch (``accumulators.Accumulators.fold``).
   """
 
   reduce_fn: tp.Callable[[tp.Any, tp.Any], tp.Any]

@@ -287,8 +287,8 @@ def trace_and_collect(
         ' taken). Leave disable_jit for the capture: `with'
         ' jax.disable_jit(False):` around the call.'
     )
-  collector = capture_lib.Collector(accepts_key)
-  collector.python_folds = True  # each sow is folded as it is bound
+  # Each sow is folded as it is bound (python_folds).
+  collector = capture_lib.Collector(accepts_key, python_folds=True)
   trace = CaptureTrace(_jax.trace_ctx.trace, collector)
   try:
     with staging(accepts_key), _jax.set_current_trace(trace):

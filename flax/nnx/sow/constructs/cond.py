@@ -231,10 +231,10 @@ def _cond_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
   # An index that varies over mesh axes (inside shard_map) picks a branch
   # per shard, so what the branches sow varies over them too.
   axes = _jax.varying_axes(_jax.typeof(invals[0]))
-  specs = collector.vary_accumulators(
-      collector.reduced_specs(branches, branches=True), axes
+  specs = collector.reduced.vary(
+      collector.reduced.specs(branches, branches=True), axes
   )
-  acc_in = collector.accumulator_leaves(specs)
+  acc_in = collector.reduced.leaves(specs)
   n_out = len(eqn.outvars)
   # A perturb's forward marker returns nothing; one branch may hold it and
   # another not (its cotangents, if any, are aligned like values).

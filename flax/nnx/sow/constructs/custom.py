@@ -437,7 +437,7 @@ class CollectingVmapRule:
   def _extra_outputs(self, inner: Collector, axis_size: int):
     expected = [(e.name, e.treedef) for e in self.layout.entries]
     got = [(spec.name, spec.treedef) for spec, _ in inner.entries]
-    if got != expected or inner.accumulators:
+    if got != expected or inner.reduced.by_name:
       names = [n for n, _ in expected]
       name = names[0] if names else next(iter(inner.names))
       raise NotImplementedError(

@@ -64,7 +64,7 @@ from flax.nnx.sow import control as control_lib
 from flax.nnx.sow import reductions
 from flax.nnx.sow.collect import Collector
 from flax.nnx.sow.collect import Layout
-from flax.nnx.sow.collect import ShardAxes
+from flax.nnx.sow.sites import ShardAxes
 from flax.nnx.sow.collect import cached
 from flax.nnx.sow.collect import collect_rules
 from flax.nnx.sow.collect import eval_collecting
@@ -147,7 +147,7 @@ def _shard_map_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
       )
   sites = [_annotate(eqn, s) for s in sites]
   _start_accumulators(collector, eqn, sites)
-  specs = collector.reduced_specs_of(sites)
+  specs = collector.reduced.specs_of(sites)
   rewritten = cached(
       body,
       (
@@ -161,7 +161,7 @@ def _shard_map_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
       lambda: _rewrite_body(body, collector.accepts_key, specs, p),
   )
   jaxpr, consts, const_specs, acc_specs, extra_specs, layout = rewritten
-  acc_in = collector.accumulator_leaves(specs)
+  acc_in = collector.reduced.leaves(specs)
   acc_in = [_place(x, spec, p['mesh']) for x, spec in zip(acc_in, acc_specs)]
   new_params = dict(
       p,
@@ -183,7 +183,7 @@ def _start_accumulators(collector: Collector, eqn: _jax.JaxprEqn, sites):
   leading axes of the name (:class:`~flax.nnx.sow.sites.ShardAxes`), laid out over the
   mesh like the accumulator it starts. Names the collector already holds,
   and those whose ``init_fn`` reads values traced in the body, are left to
-  :meth:`Collector.reduced_specs_of` (which continues or refuses them).
+  :meth:`Accumulators.specs_of` (which continues or refuses them).
   """
   first: dict[tp.Any, SowSite] = {}
   axes: dict[tp.Any, ShardAxes] = {}
@@ -199,7 +199,7 @@ def _start_accumulators(collector: Collector, eqn: _jax.JaxprEqn, sites):
   new = [
       site
       for name, site in first.items()
-      if name not in collector.accumulators
+      if name not in collector.reduced
       and name not in collector.plain_names
       and not (
           site.reduction.snapshot is not None
@@ -244,10 +244,8 @@ def _start_accumulators(collector: Collector, eqn: _jax.JaxprEqn, sites):
   leaves = _jax.bind_equation(eqn.replace(params=params), consts)
   pos = 0
   for site, (treedef, n) in zip(new, treedefs):
-    collector.accumulators[site.name] = Accumulator(
-        treedef, tuple(leaves[pos : pos + n])
-    )
-    collector.sharded[site.name] = axes[site.name]
+    acc = Accumulator(treedef, tuple(leaves[pos : pos + n]))
+    collector.reduced.put(site.name, acc, axes[site.name])
     pos += n
 
 
@@ -307,10 +305,8 @@ def _rewrite_body(body: _jax.Jaxpr, accepts_key, specs, params):
     pos = 0
     for s in specs:
       n, k = len(s.avals), len(s.sharded.axes)
-      inner.accumulators[s.name] = Accumulator(
-          s.treedef,
-          tuple(x.reshape(x.shape[k:]) for x in acc_leaves[pos : pos + n]),
-      )
+      local = tuple(x.reshape(x.shape[k:]) for x in acc_leaves[pos : pos + n])
+      inner.reduced.put(s.name, Accumulator(s.treedef, local))
       pos += n
     outs = eval_collecting(body, (), inputs, inner)
     extra, extra_specs = [], []
@@ -323,7 +319,7 @@ def _rewrite_body(body: _jax.Jaxpr, accepts_key, specs, params):
         extra_specs.append(PartitionSpec(*axes))
     for s in specs:
       axes = s.sharded.axes
-      for x in inner.accumulators[s.name].leaves:
+      for x in inner.reduced.get(s.name).leaves:
         extra.append(x.reshape((1,) * len(axes) + x.shape))
         extra_specs.append(PartitionSpec(*axes))
     layout = Layout(

@@ -96,11 +96,11 @@ def _while_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
     )
   # A predicate that varies over mesh axes (inside shard_map) makes every
   # accumulator the loop carries vary over them.
-  specs = collector.vary_accumulators(
-      collector.reduced_specs([body]), _jax.varying_axes(cond.out_avals[0])
+  specs = collector.reduced.vary(
+      collector.reduced.specs([body]), _jax.varying_axes(cond.out_avals[0])
   )
   rewritten, layout = collector.rewrite(body, specs)
-  acc_in = collector.accumulator_leaves(specs)
+  acc_in = collector.reduced.leaves(specs)
   n_acc = len(acc_in)
   n_carry = len(body.out_avals)
 

@@ -1,0 +1,393 @@
+# Copyright 2026 The Flax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""Reduced names: one accumulator per name in a scope, and how it is carried.
+
+A reduced name (a sow with ``reduce_fn``/``init_fn``) keeps one accumulator
+per scope: the top level of a capture, or a sub-jaxpr a rule rewrites. It
+starts from the ``init_fn()`` of the name's first site in program order
+(:func:`~flax.nnx.sow.sites.init_order_sites`; the branch written first in a
+``cond``); every site then folds its value with its own ``reduce_fn``
+(:meth:`Accumulators.fold`). Where a loop or branch holds sites of the name,
+the construct's rule asks for their :class:`ReducedSpec`\ s
+(:meth:`Accumulators.specs`), passes the accumulators' leaves as extra inputs
+of the rewritten sub-jaxpr (:meth:`Accumulators.leaves`), carries them
+through it with a fixed type, and hands back the new ones
+(:meth:`Accumulators.absorb`). Inside a ``shard_map`` an accumulator has one
+copy per shard (:class:`~flax.nnx.sow.sites.ShardAxes`), started by
+``constructs/shard_map.py``.
+
+How one site's ``reduce_fn``/``init_fn`` are traced and applied is
+``reductions.py``; this file keeps the accumulators.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing as tp
+
+import jax
+
+from flax.nnx.sow import _jax
+from flax.nnx.sow import reductions
+from flax.nnx.sow.primitive import MARKER_KINDS
+from flax.nnx.sow.primitive import Name
+from flax.nnx.sow.reductions import Accumulator
+from flax.nnx.sow.reductions import Reduction
+from flax.nnx.sow.reductions import strong
+from flax.nnx.sow.sites import ShardAxes
+from flax.nnx.sow.sites import SowSite
+from flax.nnx.sow.sites import as_jaxpr
+from flax.nnx.sow.sites import init_order_sites
+from flax.nnx.sow.sites import sow_sites
+
+
+@dataclasses.dataclass(frozen=True)
+class ReducedSpec:
+  """What a rewritten sub-jaxpr takes and returns for one reduced name."""
+
+  name: Name
+  treedef: tp.Any
+  avals: tuple[tp.Any, ...]
+  # Set when the name is sown inside a ``shard_map``: one accumulator per
+  # shard, with these leading axes.
+  sharded: ShardAxes | None = None
+
+
+def _sharded_error(name, where_=''):
+  return ValueError(
+      f'sow {name!r}{where_}: this reduced name is sown inside a'
+      ' `jax.shard_map` (or `jax.pmap`) and also outside it, or inside'
+      ' shard_maps whose values vary over different mesh axes. Inside a'
+      ' shard_map each shard keeps its own accumulator, which cannot be'
+      ' folded together with values from elsewhere; give the sites'
+      ' different names and combine the results yourself.'
+  )
+
+
+def _reduction_error(name, where_=''):
+  return ValueError(
+      f'sow {name!r}{where_}: one site of this name reduces (reduce_fn/'
+      'init_fn) and another does not. A name is either reduced into one'
+      ' accumulator or collected as a tuple of values; give the sites'
+      ' different names, or pass reduce_fn/init_fn at every site.'
+  )
+
+
+_CARRIED_NOTE = (
+    ' (Module.sow lets reduce_fn change it only where no loop, branch or'
+    ' vmap carries the accumulator: at the top level of the capture or in'
+    ' a jit body.)'
+)
+
+
+def _same_types(a, b) -> bool:
+  return len(a) == len(b) and all(
+      x.shape == y.shape and x.dtype == y.dtype for x, y in zip(a, b)
+  )
+
+
+def _describe(treedef, avals) -> str:
+  types = ', '.join(a.str_short() for a in avals)
+  return f'{treedef} of [{types}]'
+
+
+class Accumulators:
+  """The reduced names of one scope (one :class:`Collector`).
+
+  Args:
+    claim: ``claim(name, kind, where)``, the collector's one-name-one-meaning
+      check.
+    is_plain: whether a name already collects plain entries in this scope.
+    takes: whether the capture accepts a :class:`SowSite`.
+    python_folds: see :class:`~flax.nnx.sow.collect.Collector`.
+  """
+
+  def __init__(self, claim, is_plain, takes, python_folds: bool = False):
+    self.by_name: dict[Name, Accumulator] = {}
+    # Reduced names kept per shard of a ``shard_map`` (their accumulators
+    # have the leading mesh axes of ``ShardAxes``).
+    self.sharded: dict[Name, ShardAxes] = {}
+    self._claim = claim
+    self._is_plain = is_plain
+    self._takes = takes
+    self.python_folds = python_folds
+
+  def __contains__(self, name: Name) -> bool:
+    return name in self.by_name
+
+  def get(self, name: Name) -> Accumulator | None:
+    return self.by_name.get(name)
+
+  def start(
+      self,
+      name: Name,
+      reduction: Reduction,
+      value,
+      where_: str = '',
+      closure=(),
+      sharded: ShardAxes | None = None,
+  ) -> Accumulator:
+    """The accumulator of ``name``, created from ``init_fn()`` if new.
+
+    ``value`` is ``(treedef, avals)`` of one sown value; ``closure`` the
+    site's closure operands (``reductions.py``). ``sharded``: the site is
+    inside a ``shard_map``, so the accumulator has one copy per shard.
+    """
+    acc = self.by_name.get(name)
+    if acc is None:
+      self._claim(name, 'value', where_)
+      if self._is_plain(name):
+        raise _reduction_error(name, where_)
+      acc = reductions.initial_accumulator(reduction, *value, closure)
+      if sharded is not None:
+        acc = Accumulator(
+            acc.treedef,
+            tuple(
+                jax.numpy.broadcast_to(x, (*sharded.shape, *x.shape))
+                for x in acc.leaves
+            ),
+        )
+        self.sharded[name] = sharded
+      self.by_name[name] = acc
+    elif self.sharded.get(name) != sharded:
+      raise _sharded_error(name, where_)
+    return acc
+
+  def fold(
+      self,
+      name: Name,
+      reduction: Reduction,
+      treedef,
+      leaves,
+      batch_dims=0,
+      where_: str = '',
+      closure=(),
+  ):
+    """Folds one sown value (or, with ``batch_dims``, a batch) into ``name``.
+
+    ``closure`` holds the site's closure operands, with the same leading
+    batch axes as ``leaves``.
+    """
+    value_avals = [
+        _jax.ShapedArray(_jax.typeof(x).shape[batch_dims:], x.dtype)
+        for x in leaves
+    ]
+    closure = list(closure)
+    if batch_dims and closure:
+      # Under vmap every example has its own closure; the accumulator is
+      # created from the first example's.
+      first = [x[(0,) * batch_dims] for x in closure]
+    else:
+      first = closure
+    acc = self.start(name, reduction, (treedef, value_avals), where_, first)
+
+    def step(acc_leaves, value_leaves, closure_leaves):
+      new_leaves, new_treedef = reductions.fold(
+          reduction,
+          Accumulator(acc.treedef, tuple(acc_leaves)),
+          treedef,
+          value_leaves,
+          closure_leaves,
+      )
+      new_leaves = tuple(strong(x) for x in new_leaves)
+      new_avals = tuple(_jax.typeof(x) for x in new_leaves)
+      changed = new_treedef != acc.treedef or not _same_types(
+          new_avals, acc.avals
+      )
+      if changed and (
+          reduction.fixed_type or batch_dims or not self.python_folds
+      ):
+        raise ValueError(
+            f'sow {name!r}{where_}: reduce_fn changed the accumulator from'
+            f' {_describe(acc.treedef, acc.avals)} to'
+            f' {_describe(new_treedef, new_avals)}. The accumulator must keep'
+            ' its structure, shape and dtype; make init_fn() return a value'
+            ' of the type reduce_fn produces (e.g. with the right dtype).'
+            + _CARRIED_NOTE * (not reduction.fixed_type)
+        )
+      treedef_box[:] = [new_treedef]
+      return new_leaves
+
+    treedef_box = [acc.treedef]
+
+    if batch_dims:
+      # Values sown under vmap: one reduction per example, in order.
+      n = len(leaves)
+      batch = [
+          x.reshape((-1, *x.shape[batch_dims:])) for x in [*leaves, *closure]
+      ]
+      new_leaves, _ = jax.lax.scan(
+          lambda a, v: (step(a, v[:n], v[n:]), None), acc.leaves, batch
+      )
+    else:
+      new_leaves = step(acc.leaves, leaves, closure)
+    self.by_name[name] = Accumulator(treedef_box[0], tuple(new_leaves))
+
+  def specs(self, jaxprs, *, branches: bool = False) -> tuple[ReducedSpec, ...]:
+    """Specs of the reduced names sown in ``jaxprs``; creates accumulators.
+
+    A name not yet reduced in this scope starts from the ``init_fn()`` of
+    its first site in ``jaxprs`` in :func:`init_order_sites`'s order;
+    ``branches``: ``jaxprs`` are the branches of a ``cond`` (two of them:
+    the second first).
+    """
+    jaxprs = list(jaxprs)
+    order = jaxprs[::-1] if branches and len(jaxprs) == 2 else jaxprs
+    first: dict[Name, SowSite] = {}
+    for j in order:
+      for site in init_order_sites(as_jaxpr(j)):
+        if self._takes(site):
+          first.setdefault(site.name, site)
+    return self.specs_of(
+        [s for j in jaxprs for s in sow_sites(as_jaxpr(j)) if self._takes(s)],
+        first,
+    )
+
+  def specs_of(
+      self,
+      sites: tp.Sequence[SowSite],
+      first: tp.Mapping[Name, SowSite] | None = None,
+  ) -> tuple[ReducedSpec, ...]:
+    """:meth:`specs` for sites found by the caller; ``first`` may
+    say which site of a name starts its accumulator (by default the first
+    in ``sites``)."""
+    sites = [s for s in sites if s.kind not in MARKER_KINDS]
+    # A name sown inside a shard_map is kept per shard over the union of
+    # the axes its sites vary over.
+    sharded: dict[Name, ShardAxes | None] = {}
+    for site in sites:
+      if site.reduction is None:
+        continue
+      if site.name not in sharded:
+        sharded[site.name] = site.sharded
+        continue
+      seen = sharded[site.name]
+      both = (
+          None
+          if seen is None or site.sharded is None
+          else seen.union(site.sharded)
+      )
+      if (seen is None) != (site.sharded is None) or (
+          seen is not None and both is None
+      ):
+        raise _sharded_error(site.name, site.where)
+      sharded[site.name] = both
+    first = dict(first or {})
+    for site in sites:
+      if site.reduction is not None:
+        first.setdefault(site.name, site)
+    specs: dict[Name, ReducedSpec] = {}
+    for site in sites:
+      if site.reduction is None:
+        if site.name in self.by_name:
+          raise _reduction_error(site.name, site.where)
+        continue
+      if site.name in specs:
+        continue
+      site = first[site.name]
+      snap = site.reduction.snapshot
+      if (
+          site.name not in self.by_name
+          and snap is not None
+          and snap.n_init_closure
+      ):
+        raise NotImplementedError(
+            f'sow {site.name!r}{site.where}: its init_fn reads a value traced'
+            ' inside the construct that holds the sow, but the accumulator'
+            ' is created before the construct runs. Make init_fn return'
+            ' constants (e.g. jnp.zeros(shape)).'
+        )
+      acc = self.start(
+          site.name,
+          site.reduction,
+          (site.eqn.params['treedef'], site.value_avals()),
+          site.where,
+          sharded=sharded[site.name],
+      )
+      specs[site.name] = ReducedSpec(
+          site.name, acc.treedef, acc.avals, self.sharded.get(site.name)
+      )
+    return tuple(specs.values())
+
+  def vary(
+      self, specs: tuple[ReducedSpec, ...], axes: frozenset
+  ) -> tuple[ReducedSpec, ...]:
+    """Marks the accumulators of ``specs`` as varying over manual ``axes``.
+
+    Inside ``shard_map``, a loop or branch whose predicate varies over mesh
+    axes runs differently per shard, so what it folds does too, even where
+    the values do not vary (a step counter); JAX's types do not say so.
+    """
+    if not axes:
+      return specs
+    out = []
+    for spec in specs:
+      acc = self.by_name[spec.name]
+      acc = Accumulator(
+          acc.treedef, tuple(_jax.pvary(x, tuple(axes)) for x in acc.leaves)
+      )
+      self.by_name[spec.name] = acc
+      out.append(dataclasses.replace(spec, avals=acc.avals))
+    return tuple(out)
+
+  def leaves(self, specs: tp.Sequence[ReducedSpec]) -> list:
+    return [x for s in specs for x in self.by_name[s.name].leaves]
+
+  def absorb(self, spec: ReducedSpec, leaves: tp.Sequence[tp.Any]) -> None:
+    """The accumulator of ``spec.name`` after a rewritten sub-jaxpr ran.
+
+    Raises:
+      ValueError: if a ``Module.sow`` reduction changed the accumulator's
+        type inside a ``jit`` within a loop or branch (which carries it with
+        a fixed type).
+    """
+    acc = self.by_name.get(spec.name)
+    if (
+        not self.python_folds
+        and acc is not None
+        and (
+            spec.treedef != acc.treedef
+            or not _same_types(spec.avals, acc.avals)
+        )
+    ):
+      raise ValueError(
+          f'sow {spec.name!r}: reduce_fn changed the accumulator from'
+          f' {_describe(acc.treedef, acc.avals)} to'
+          f' {_describe(spec.treedef, spec.avals)} inside a `jax.jit`'
+          ' within a loop or branch, which carries it with a fixed type.'
+          ' Make init_fn() return a value of the type reduce_fn produces.'
+      )
+    self.by_name[spec.name] = Accumulator(spec.treedef, tuple(leaves))
+
+  def put(
+      self, name: Name, acc: Accumulator, sharded: ShardAxes | None = None
+  ) -> None:
+    """Sets the accumulator of ``name`` (a sub-jaxpr's carried input, or a
+    ``shard_map``'s per-shard start)."""
+    self.by_name[name] = acc
+    if sharded is not None:
+      self.sharded[name] = sharded
+
+  def current(self, specs: tp.Sequence[ReducedSpec]) -> tuple[ReducedSpec, ...]:
+    """``specs`` with the accumulators' types as they are now."""
+    return tuple(
+        ReducedSpec(
+            s.name,
+            self.by_name[s.name].treedef,
+            self.by_name[s.name].avals,
+            s.sharded,
+        )
+        for s in specs
+    )

@@ -153,6 +153,11 @@ def save_custom_calls(prim, *avals, **params):
   return prim.name in ('custom_jvp_call', 'custom_vjp_call')
 
 
+def unused_effectful_checkpoint(x):
+  jax.checkpoint(lambda x: jax.debug.print('{}', 1.5))(x)
+  return jnp.sum(jnp.sin(x))
+
+
 def _grad(f, argnums=0):
   return jax.grad(lambda *a: jnp.sum(f(*a)), argnums=argnums)
 
@@ -251,6 +256,14 @@ def _checkpoint_programs() -> dict[str, Program]:
           )[1](x, m),
           (x3, m33),
           ('remat2', 'custom_jvp_call'),
+      ),
+      # An effectful checkpoint whose inputs and outputs are unused, inside
+      # another under grad: JAX drops it (the remat_dce entry keeps it only
+      # when it holds a sow a capture is staging).
+      'checkpoint_unused_effectful_checkpoint_grad': (
+          _grad(jax.checkpoint(unused_effectful_checkpoint)),
+          (x3,),
+          ('remat2',),
       ),
       'checkpoint_custom_vjp_optimize_remat_grad': (
           _grad(jax.checkpoint(lambda x: jnp.sin(exp3_optimize_remat(x)))),

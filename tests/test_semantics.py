@@ -309,6 +309,103 @@ def _applied(how, f):
   raise ValueError(how)
 
 
+class UnusedCheckpointTest(parameterized.TestCase):
+  """A ``jax.checkpoint`` whose inputs and outputs are unused, holding a sow,
+  inside another ``checkpoint`` under ``grad``: JAX's dead-code elimination
+  drops such a checkpoint even though its body has effects; the sow is still
+  collected once (found by the long generator run)."""
+
+  @staticmethod
+  def _loss(x, reduced=False):
+    def inner(x):
+      if reduced:
+        sow(
+            1.5,
+            name='c',
+            reduce_fn=lambda a, b: a + 2.0 * b,
+            init_fn=lambda: 0.0,
+        )
+      else:
+        sow(jnp.float32(1.5), name='c')
+      return x
+
+    jax.checkpoint(inner)(x)  # its output is unused
+    return jnp.sum(jnp.sin(x))
+
+  @parameterized.named_parameters(
+      ('grad_of_checkpoint', lambda f: jax.grad(jax.checkpoint(f))),
+      (
+          'grad_of_checkpoint_nothing',
+          lambda f: jax.grad(
+              jax.checkpoint(f, policy=jax.checkpoint_policies.nothing_saveable)
+          ),
+      ),
+      (
+          'jit_grad_of_checkpoint',
+          lambda f: jax.jit(jax.grad(jax.checkpoint(f))),
+      ),
+      ('grad', jax.grad),
+  )
+  def test_collected_once(self, transform):
+    for reduced, want in ((False, (1.5,)), (True, 3.0)):  # 0 + 2 * 1.5
+      loss = functools.partial(self._loss, reduced=reduced)
+      grad, collected = capture(transform(loss))(jnp.asarray(X))
+      np.testing.assert_allclose(grad, np.cos(X), rtol=1e-6)
+      self.assertEqual(list(collected), ['c'])
+      np.testing.assert_allclose(
+          np.asarray(collected['c'], np.float32), np.asarray(want, np.float32)
+      )
+
+  def test_in_a_custom_vjp_whose_fwd_skips_the_primal(self):
+    @jax.custom_vjp
+    def fn(x):
+      jax.checkpoint(
+          lambda x: sow(1.5, name='s', reduce_fn=add, init_fn=lambda: 0.0)
+      )(x)
+      return x
+
+    fn.defvjp(lambda x: (x, None), lambda _, g: (2.0 * g,))
+    loss = lambda x: jnp.sum(fn(x))
+    for transform in (jax.grad, lambda f: jax.grad(jax.checkpoint(f))):
+      grad, collected = capture(transform(loss))(jnp.asarray(X))
+      np.testing.assert_allclose(grad, 2.0 * np.ones(3), rtol=1e-6)
+      self.assertEqual(dict(collected), {'s': 1.5})
+
+
+class PerturbInWhileLoopTest(parameterized.TestCase):
+  """A ``perturb`` in a ``while_loop`` body: reverse mode cannot
+  differentiate the loop, so nothing is ever collected for it (SPEC: not
+  differentiated, nothing is collected); it is not a plain sow to refuse."""
+
+  @staticmethod
+  def _loop(x):
+    def body(v):
+      v = perturb(v * 2.0, name='p')
+      sow(jnp.int32(1), name='n', reduce_fn=add, init_fn=zero_count)
+      return v
+
+    return jax.lax.while_loop(lambda v: v < 10.0, body, x)
+
+  @parameterized.named_parameters(
+      ('eager', lambda f: f),
+      ('jit', jax.jit),
+      ('jvp', lambda f: lambda x: jax.jvp(f, (x,), (x,))[0]),
+  )
+  def test_collects_nothing_for_the_perturb(self, transform):
+    out, collected = capture(transform(self._loop))(jnp.float32(1.0))
+    np.testing.assert_allclose(out, 16.0)  # 1 -> 2 -> 4 -> 8 -> 16
+    self.assertEqual(list(collected), ['n'])
+    np.testing.assert_array_equal(collected['n'], 4)
+
+  def test_under_vmap_inside_the_capture(self):
+    loop = lambda x: jax.lax.while_loop(
+        lambda v: v < 10.0, lambda v: perturb(v * 2.0, name='p'), x
+    )
+    out, collected = capture(jax.vmap(loop))(jnp.array([1.0, 3.0]))
+    np.testing.assert_allclose(out, [16.0, 12.0])  # 3 -> 6 -> 12
+    self.assertEqual(dict(collected), {})
+
+
 class LinearizedFunctionTest(parameterized.TestCase):
   """Applying a linear map (or its transpose) adds no primal entries."""
 
@@ -383,9 +480,7 @@ class BackwardPassOrderTest(parameterized.TestCase):
     g1, g2 = jax.jit(jax.grad(_l1)), jax.jit(jax.grad(_l2))
     f = lambda x: (g2(x), g1(x), g2(x))
     self.assertEqual(_cot_values(capture(f)(X)[1]), [5.0, 3.0, 5.0])
-    self.assertEqual(
-        _cot_values(jax.jit(capture(f))(X)[1]), [5.0, 3.0, 5.0]
-    )
+    self.assertEqual(_cot_values(jax.jit(capture(f))(X)[1]), [5.0, 3.0, 5.0])
 
   @parameterized.parameters(False, True)
   def test_pullback_called_twice(self, jit):
@@ -418,7 +513,7 @@ class BackwardPassOrderTest(parameterized.TestCase):
     xs = np.ones((4, 2), np.float32)
     f = lambda x: (jax.grad(loss, 1)(3.0, x), jax.grad(loss, 1)(5.0, x))
     for run in (capture(f), jax.jit(capture(f))):
-      (p1, p2) = run(xs)[1]['p']
+      p1, p2 = run(xs)[1]['p']
       np.testing.assert_allclose(p1, np.full((4, 2), 3.0))
       np.testing.assert_allclose(p2, np.full((4, 2), 5.0))
 
@@ -441,9 +536,13 @@ class OneNameOneMeaningTest(parameterized.TestCase):
         'jit_grad': jax.jit(jax.grad(self._program)),
         'value_and_grad': jax.value_and_grad(self._program),
     }[how]
-    with self.assertRaisesRegex(ValueError, r"'m'.*sow\(\.\.\.\) and by perturb"):
+    with self.assertRaisesRegex(
+        ValueError, r"'m'.*sow\(\.\.\.\) and by perturb"
+    ):
       capture(f)(X)
-    with self.assertRaisesRegex(ValueError, r"'m'.*sow\(\.\.\.\) and by perturb"):
+    with self.assertRaisesRegex(
+        ValueError, r"'m'.*sow\(\.\.\.\) and by perturb"
+    ):
       jax.jit(capture(f))(X)
 
   def test_reduced_name_and_perturb_raise(self):
@@ -771,7 +870,10 @@ class ReductionOrderTest(parameterized.TestCase):
       return x
 
     xs = jnp.array([1.0, 2.0])
-    for run in (capture(jax.vmap(two_sites)), jax.jit(capture(jax.vmap(two_sites)))):
+    for run in (
+        capture(jax.vmap(two_sites)),
+        jax.jit(capture(jax.vmap(two_sites))),
+    ):
       self.assertEqual(float(run(xs)[1]['seq']), 1267.0)
 
 

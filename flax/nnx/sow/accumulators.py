@@ -20,7 +20,7 @@ starts from the ``init_fn()`` of the name's first site in program order
 (:func:`~flax.nnx.sow.sites.init_order_sites`; the branch written first in a
 ``cond``); every site then folds its value with its own ``reduce_fn``
 (:meth:`Accumulators.fold`). Where a loop or branch holds sites of the name,
-the construct's rule asks for their :class:`ReducedSpec`\ s
+the construct's rule asks for their :class:`ReducedSpec` entries
 (:meth:`Accumulators.specs`), passes the accumulators' leaves as extra inputs
 of the rewritten sub-jaxpr (:meth:`Accumulators.leaves`), carries them
 through it with a fixed type, and hands back the new ones

@@ -50,6 +50,7 @@ from flax.nnx.sow.control import control_axes
 from flax.nnx.sow.control import control_rules
 from flax.nnx.sow.inject import intervene_rules
 from flax.nnx.sow.primitive import HIDDEN
+from flax.nnx.sow.primitive import MARKER_KINDS
 from flax.nnx.sow.sites import construct_names
 from flax.nnx.sow.sites import holds_staged_sow
 from flax.nnx.sow.sites import remat_copy_eqn
@@ -73,7 +74,12 @@ def _while_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
         ' a sow inside the'
         ' cond_fun of `lax.while_loop`; sow the value in body_fun instead.'
     )
-  plain = [s for s in collector.accepted_sites([body]) if s.reduction is None]
+  # A perturb's forward marker collects nothing (reverse mode cannot
+  # differentiate a while_loop, so no cotangent ever arrives there).
+  collecting = [
+      s for s in collector.accepted_sites([body]) if s.kind not in MARKER_KINDS
+  ]
+  plain = [s for s in collecting if s.reduction is None]
   if plain:
     raise ValueError(
         f'sow {plain[0].name!r}{plain[0].where}: a plain sow inside'
@@ -85,8 +91,8 @@ def _while_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
         ' jnp.zeros(shape)), or use `lax.scan` / a fori_loop with static'
         ' bounds to stack them.'
     )
-  if cond.out_avals[0].shape and collector.accepted_sites([body]):
-    site = collector.accepted_sites([body])[0]
+  if cond.out_avals[0].shape and collecting:
+    site = collecting[0]
     raise NotImplementedError(
         f'sow {site.name!r}{site.where}: a reduced sow'
         ' inside `lax.while_loop` whose predicate `jax.vmap` batches (inside'

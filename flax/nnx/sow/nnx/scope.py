@@ -55,9 +55,9 @@ innermost scope that accepts it and names the module (:func:`locate`). A
 module that no scope names (one created inside the call, or a copy a plain
 JAX transform made of a Module pytree) makes ``Module.sow`` raise
 (``shims.py``). Nothing is kept from one call to the next, and no
-attribute is set on any module. The four Flax functions are wrapped once
-(:func:`install_hooks`, idempotent, thread-safe); outside a capture the
-wrappers only check that the thread has no active scope.
+attribute is set on any module. The four Flax functions are wrapped by
+``flax_hooks.py`` (its inventory says why); outside a capture the wrappers
+only check that the thread has no active scope.
 """
 
 from __future__ import annotations
@@ -76,6 +76,8 @@ from flax import nnx
 # Flax internals (adapt here for a new Flax release).
 from flax.nnx import extract as _extract
 from flax.nnx import graphlib as _graphlib
+
+from flax.nnx.sow.nnx import flax_hooks
 
 Path = tuple[tp.Union[str, int], ...]
 
@@ -656,14 +658,6 @@ def _global_names(code: types.CodeType) -> tuple[str, ...]:
 # ----------------------------------------------------------------------------
 # Hooks in Flax's split/merge and tree-mode transforms
 
-_ORIGINAL = {
-    'flatten': _graphlib.flatten,
-    'unflatten': _graphlib.unflatten,
-    'check_no_aliases': _extract.check_no_aliases,
-    'snapshot': _extract.snapshot,
-}
-_HOOKS_LOCK = threading.Lock()
-
 
 def _is_splittable(x) -> bool:
   # A graph node or a container of them (nnx.split((model, optimizer))).
@@ -674,9 +668,8 @@ def _watching() -> bool:
   return bool(LOCAL.scopes) and not LOCAL.busy
 
 
-@functools.wraps(_ORIGINAL['flatten'])
-def _flatten(node, /, **kwargs):
-  out = _ORIGINAL['flatten'](node, **kwargs)
+def _flatten(original, node, /, **kwargs):
+  out = original(node, **kwargs)
   if _watching() and _is_splittable(node):
     for scope in LOCAL.scopes:
       scope.note_split(out[0], node)
@@ -685,9 +678,8 @@ def _flatten(node, /, **kwargs):
   return out
 
 
-@functools.wraps(_ORIGINAL['unflatten'])
-def _unflatten(graphdef, state, /, **kwargs):
-  node = _ORIGINAL['unflatten'](graphdef, state, **kwargs)
+def _unflatten(original, graphdef, state, /, **kwargs):
+  node = original(graphdef, state, **kwargs)
   if _watching() and _is_splittable(node):
     with _busy():
       for scope in LOCAL.scopes:
@@ -705,18 +697,16 @@ def _by_position(trees: tp.Mapping[str, tp.Any]) -> dict:
   return nodes
 
 
-@functools.wraps(_ORIGINAL['check_no_aliases'])
-def _check_no_aliases(fn_name, /, *, check=(), **kwargs):
-  out = _ORIGINAL['check_no_aliases'](fn_name, check=check, **kwargs)
+def _check_no_aliases(original, fn_name, /, *, check=(), **kwargs):
+  out = original(fn_name, check=check, **kwargs)
   if _watching() and not check:
     # A tree-mode transform about to run: remember what it received.
     LOCAL.transform_args = _by_position(kwargs)
   return out
 
 
-@functools.wraps(_ORIGINAL['snapshot'])
-def _snapshot(args):
-  out = _ORIGINAL['snapshot'](args)
+def _snapshot(original, args):
+  out = original(args)
   fields = getattr(args, '_fields', None)
   outer = LOCAL.transform_args
   if _watching() and outer and fields is not None:
@@ -728,28 +718,8 @@ def _snapshot(args):
   return out
 
 
-_HOOKS = {
-    (_graphlib, 'flatten'): _flatten,
-    (_graphlib, 'unflatten'): _unflatten,
-    (nnx, 'flatten'): _flatten,
-    (nnx, 'unflatten'): _unflatten,
-    (_extract, 'check_no_aliases'): _check_no_aliases,
-    (_extract, 'snapshot'): _snapshot,
-}
-
-
-def install_hooks() -> None:
-  """Wraps Flax's split/merge and tree-mode transform helpers; idempotent."""
-  if _graphlib.unflatten is _unflatten:
-    return
-  with _HOOKS_LOCK:
-    for (module, name), hook in _HOOKS.items():
-      setattr(module, name, hook)
-
-
-def uninstall_hooks() -> None:
-  """Restores Flax's functions; idempotent."""
-  with _HOOKS_LOCK:
-    for (module, name), hook in _HOOKS.items():
-      if getattr(module, name) is hook:
-        setattr(module, name, _ORIGINAL[name])
+# Wrapped in Flax by flax_hooks.py (its inventory says why).
+flax_hooks.register('graph_flatten', _flatten)
+flax_hooks.register('graph_unflatten', _unflatten)
+flax_hooks.register('check_no_aliases', _check_no_aliases)
+flax_hooks.register('snapshot', _snapshot)

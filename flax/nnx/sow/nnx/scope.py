@@ -76,6 +76,7 @@ from flax import nnx
 # Flax internals (adapt here for a new Flax release).
 from flax.nnx import extract as _extract
 from flax.nnx import graphlib as _graphlib
+from flax.nnx import tracers as _tracers
 
 from flax.nnx.sow.nnx import flax_hooks
 
@@ -249,6 +250,47 @@ class Scope:
     self.splits: dict[int, tuple[tp.Any, tp.Any]] = {}  # graphdef, source
     # Root paths two roots would share: a sow under them raises.
     self.shared: dict[Path, str] = {}
+    # Lazy roots (defer_roots): what names them, and the splits and merges
+    # Flax made before they were named, replayed in order when they are.
+    self._pending: tuple[tuple, dict, tp.Any] | None = None
+    self._events: list[tuple[bool, tp.Any, tp.Any]] = []
+    self._unnamed: tuple | None = None
+    # The JAX trace the captured function's top level runs in (trace_key).
+    self._trace_state: tp.Any = None
+
+  def defer_roots(self, args: tuple, kwargs: dict, f) -> None:
+    """Names the roots of ``args``/``kwargs`` and ``f`` (:meth:`add_roots`)
+    when a path is first asked for, not now: a call in which no module
+    sows costs the scope nothing more."""
+    self._pending = (args, kwargs, f)
+    self._unnamed = _unnamed_key(self._cheap_fingerprint())
+
+  def name_roots(self, args: tuple, kwargs: dict, f) -> None:
+    """:meth:`add_roots` of ``args``/``kwargs`` and what ``f`` refers to."""
+    self.add_roots(args, kwargs, f, referenced_graph_nodes(f))
+
+  def _ensure_roots(self) -> None:
+    pending = self._pending
+    if pending is None:
+      return
+    self._pending = None
+    with _busy():
+      self.name_roots(*pending)
+      events, self._events = self._events, []
+      for is_split, graphdef, node in events:
+        if is_split:
+          self.note_split(graphdef, node)
+        else:
+          self.note_merge(graphdef, node)
+    state = self._trace_state
+    if state is not None and _tracers.current_jax_trace() != state:
+      # Named inside a transform f called (e.g. in a jax.jit's trace, which
+      # JAX caches under the key of the unnamed scope): no later call may
+      # share that key (see _unnamed_key).
+      with _GENERATION_LOCK:
+        if _UNNAMED_GENERATION[0] == self._unnamed[2]:
+          _UNNAMED_GENERATION[0] += 1
+    _rekey()
 
   def accepts(self, tag) -> bool:
     return self.types is None or tag in self.types
@@ -304,31 +346,37 @@ class Scope:
 
   def clash(self, path: Path) -> str | None:
     """Why ``path`` does not name one module, or ``None``."""
+    self._ensure_roots()
     for k in range(len(path) + 1):
       why = self.shared.get(path[:k])
       if why is not None:
         return why
     return None
 
+  def _cheap_fingerprint(self):
+    return (self.kind, self.types, self.method_outputs, self.init_keys)
+
   def fingerprint(self):
-    return (
-        self.kind,
-        self.types,
-        self.method_outputs,
-        self.init_keys,
-        tuple(self.structure),
-    )
+    """This scope's part of the jit cache key (``trace_key``): an
+    :func:`_unnamed_key` while its roots are not named, else what decides
+    the names and returns of ``Module.sow`` (tags, roots' paths and
+    types)."""
+    if self._pending is not None:
+      return self._unnamed
+    return (*self._cheap_fingerprint(), tuple(self.structure))
 
   # Resolution ----------------------------------------------------------------
 
   def resolve(self, obj, tier: str = EXACT) -> Path | None:
     """``obj``'s path from this scope's roots, using the facts of ``tier``."""
+    self._ensure_roots()
     if tier == EXACT:
       return self._exact(obj)
     hit = self._merged_hit(obj)
     return None if hit is None else hit[1]
 
   def _merged_hit(self, obj):
+    self._ensure_roots()
     while self._merged_pending:
       graphdef, node = self._merged_pending.pop(0)
       why = None
@@ -378,9 +426,15 @@ class Scope:
   # Facts from Flax (the hooks below) ----------------------------------------
 
   def note_split(self, graphdef, node) -> None:
+    if self._pending is not None:
+      self._events.append((True, graphdef, node))
+      return
     self.splits[id(graphdef)] = (graphdef, node)
 
   def note_merge(self, graphdef, node) -> None:
+    if self._pending is not None:
+      self._events.append((False, graphdef, node))
+      return
     if self.nodes.get(id(node), (None,))[0] is node:
       return  # an object the scope knows (a NodeRef, a reused object)
     hit = self.splits.get(id(graphdef))
@@ -409,6 +463,7 @@ class Scope:
 
     Returns whether ``source`` held a node this scope knows.
     """
+    self._ensure_roots()
     at = dict(_graph_nodes(source))
     found = False
     for rel, child in _graph_nodes(copy):
@@ -423,10 +478,31 @@ class Scope:
     return found
 
   def note_transform_copies(self, outer: dict, inner: dict) -> None:
+    self._ensure_roots()
     for key, copy in inner.items():
       original = outer.get(key)
       if original is not None and type(original) is type(copy):
         self.pair(original, copy)
+
+
+# The generation of the keys of unnamed scopes (Scope.fingerprint): a new
+# one each time a scope names its roots inside a trace JAX may have cached
+# under the current generation's key (a counter, like perturb's ordinals).
+_UNNAMED_GENERATION = [0]
+_GENERATION_LOCK = threading.Lock()
+
+
+def _unnamed_key(cheap) -> tuple:
+  """A scope's part of the jit cache key while its roots are not named.
+
+  Equal for the unnamed scopes with the same tags on one thread, so that
+  what JAX caches inside one capture call (an inner ``jax.jit``, an eager
+  primitive) serves the next, until a scope names its roots inside such a
+  trace: then the cached trace may hold ``Module.sow`` names from its
+  roots, and the generation moves on, so no later call shares its key. A
+  plain tuple: JAX hashes it for every eager primitive.
+  """
+  return ('unnamed', cheap, _UNNAMED_GENERATION[0], threading.get_ident())
 
 
 class _busy:
@@ -485,12 +561,25 @@ class trace_key:
   """
 
   def __enter__(self):
+    for scope in LOCAL.scopes:
+      if scope._pending is not None and scope._trace_state is None:  # pylint: disable=protected-access
+        scope._trace_state = _tracers.current_jax_trace()  # pylint: disable=protected-access
     key = tuple(s.fingerprint() for s in LOCAL.scopes)
     self._key = TRACE_KEY((key, ()))
     self._key.__enter__()
 
   def __exit__(self, *exc):
     self._key.__exit__(*exc)
+
+
+def _rekey() -> None:
+  """Puts the scopes' fingerprints in the key again (after one named its
+  roots) inside a captured function."""
+  current = TRACE_KEY.value
+  if isinstance(current, tuple) and len(current) == 2:
+    key = tuple(s.fingerprint() for s in LOCAL.scopes)
+    if key != current[0]:
+      TRACE_KEY_CONFIG.swap_local((key, current[1]))
 
 
 def _key_on_split(node) -> None:

@@ -23,7 +23,12 @@ root. The roots (:meth:`Scope.add_roots`) are
   (:func:`referenced_graph_nodes`: closures, globals, bound ``self``,
   ``functools.partial`` arguments),
 
-counting only those that hold a Module and are not inside another root. One
+counting only those that hold a Module and are not inside another root.
+A functional capture names them lazily (:meth:`Scope.defer_roots`): when a
+module first asks for its path, or an NNX transform hands over copies;
+the splits and merges Flax made before that are replayed in order. A
+capture of a function that uses no NNX object walks no argument and
+searches ``f`` for nothing. One
 root is at ``()`` (so ``nnx.capture(model, ...)`` gives Flax's paths); with
 several, an argument's root is prefixed by its position (``(0, ...)``, ``(1,
 ...)``, a keyword by its name, then its place inside the argument's pytree, as
@@ -36,8 +41,8 @@ Flax's own split/merge, the same on every run:
 1. **split/merge**: while a scope is active, Flax's ``graphlib.flatten``
    records the graphdef it returns with the object it split, and
    ``graphlib.unflatten`` gives the object it builds from a recorded graphdef
-   (the same object, or an equal graphdef when only one object was split to
-   it) the paths of the split object, position by position. This names
+   (the same graphdef object) the paths of the split object, position by
+   position. This names
    ``nnx.split``/``nnx.merge`` inside the call and NNX transforms in graph
    mode, with or without ``graph_updates``.
 2. **update contexts**: an NNX transform in graph mode also maps its inner
@@ -438,25 +443,9 @@ class Scope:
     if self.nodes.get(id(node), (None,))[0] is node:
       return  # an object the scope knows (a NodeRef, a reused object)
     hit = self.splits.get(id(graphdef))
-    if hit is not None and hit[0] is graphdef:
-      source = hit[1]
-    else:
-      source = self._equal_split(graphdef)
-    if source is not None and self.pair(source, node):
+    if hit is not None and hit[0] is graphdef and self.pair(hit[1], node):
       return
     self._merged_pending.append((graphdef, node))
-
-  def _equal_split(self, graphdef):
-    sources = {}
-    for g, source in self.splits.values():
-      if (
-          g.num_leaves == graphdef.num_leaves
-          and len(g.nodes) == len(graphdef.nodes)
-          and g == graphdef
-      ):
-        key = self._exact(source)
-        sources[id(source) if key is None else key] = source
-    return sources.popitem()[1] if len(sources) == 1 else None
 
   def pair(self, source, copy) -> bool:
     """Gives each graph node of ``copy`` the path of ``source``'s at its place.
@@ -540,14 +529,15 @@ class ActiveScope:
     self.scope = scope
 
   def __enter__(self):
+    # What a tree-mode transform received is this call's (restored after).
+    self._transform_args, LOCAL.transform_args = LOCAL.transform_args, None
     LOCAL.scopes.append(self.scope)
     return self.scope
 
   def __exit__(self, *exc):
     popped = LOCAL.scopes.pop()
     assert popped is self.scope
-    if not LOCAL.scopes:
-      LOCAL.transform_args = None
+    LOCAL.transform_args = self._transform_args
 
 
 class trace_key:

@@ -428,6 +428,30 @@ def eager_plain(cfg: Config) -> list[Result]:
       target=None, sizes=cfg.sizes.asdict())]
 
 
+@benchmark('eager_functional')
+def eager_functional(cfg: Config) -> list[Result]:
+  """``capture(f)(state, x)`` / ``f(state, x)``, eager, for the workload's
+  functional forward at a small batch and sequence, so that the per-call
+  cost of ``capture`` outside the forward itself (the NNX layer's path
+  scope among it) is not hidden by the forward's compute."""
+  sizes = cfg.sizes if cfg.quick else cfg.sizes.replace(batch=1, seq=8)
+  graphdef, state = wl.concrete_state(sizes)
+  x = wl.example_input(sizes)
+  f = wl.pure_functions(graphdef)['f']
+  captured = capture(f)
+  out_c, collected = captured(state, x)
+  np.testing.assert_allclose(out_c, f(state, x), rtol=1e-5, atol=1e-5)
+  if len(collected) != 2 * sizes.layers:
+    raise AssertionError(f'expected {2 * sizes.layers} names, got '
+                         f'{list(collected)}')
+  repeats = 3 if cfg.quick else 4 * cfg.runtime_repeats
+  ta, tb = timing.interleaved(
+      lambda: captured(state, x), lambda: f(state, x), repeats, warmup=2)
+  return [timing.compare(
+      'eager_functional', 'capture(f) eager, functional forward',
+      'f eager (no jit)', ta, tb, target=None, sizes=sizes.asdict())]
+
+
 @benchmark('perturb_grad')
 def perturb_grad(cfg: Config) -> list[Result]:
   graphdef, state = wl.concrete_state(cfg.sizes)

@@ -35,8 +35,8 @@ EXPECTED_NAMES = {
     'jit_runtime', 'first_call[1]', 'first_call[2]', 'trace[1]', 'trace[2]',
     'eager_dispatch', 'memory_runtime', 'eager_nnx', 'rewrite_scaling',
     'rewrite_scaling[gc]', 'rewrite_scaling[loop]', 'eager_jitted',
-    'eager_plain', 'perturb_grad', 'intervene_runtime', 'sharded_step',
-    'sow_dispatch',
+    'eager_plain', 'eager_functional', 'perturb_grad', 'intervene_runtime',
+    'sharded_step', 'sow_dispatch',
     'reduce_memory[reduce]', 'reduce_memory[stacked]', 'nnx_step[steady]',
     'nnx_step[first_call]',
 }

@@ -23,6 +23,11 @@
 * The NNX layer (the subpackage ``nnx/``) is the only part that imports
   ``flax.nnx``, and no file outside it imports it (the package's
   ``__init__`` installs it).
+* Only ``nnx/flax_hooks.py`` replaces Flax objects: no other file assigns
+  to (or ``setattr``s, ``delattr``s) an attribute of something it imported
+  from Flax, or of a name bound to one; elsewhere in the NNX layer
+  ``setattr`` is used only on ``self`` (the legacy ``Module.sow``
+  attribute of a module instance, Flax's own behaviour).
 """
 
 import ast
@@ -35,6 +40,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / 'flax/nnx/sow'
 PREFIX = 'flax.nnx.sow'
 
 NNX_LAYER = 'nnx'
+FLAX_HOOKS = 'nnx.flax_hooks'
 
 
 def _in_nnx_layer(module: str) -> bool:
@@ -79,6 +85,41 @@ def _package_imports(tree, modules) -> set[str]:
       if rest:
         own.add(rest)
   return own
+
+
+def _base_name(node) -> str | None:
+  """``a`` for ``a``, ``a.b.c``, ``a[0].b`` or ``a().b``."""
+  while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
+    node = node.func if isinstance(node, ast.Call) else node.value
+  return node.id if isinstance(node, ast.Name) else None
+
+
+def _names_bound_to_flax(tree) -> set[str]:
+  """Names a file binds to Flax (not ``flax.nnx.sow``) modules or objects:
+  imports, and module-level names assigned from them (``M = nnx.Module``)."""
+  names = set()
+  is_flax = lambda m: (m == 'flax' or m.startswith('flax.')) and not (
+      m == PREFIX or m.startswith(PREFIX + '.')
+  )
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      for a in node.names:
+        if is_flax(a.name):
+          names.add(a.asname or a.name.split('.')[0])
+    elif isinstance(node, ast.ImportFrom) and node.module:
+      for a in node.names:
+        if is_flax(f'{node.module}.{a.name}') and is_flax(node.module):
+          names.add(a.asname or a.name)
+  changed = True
+  while changed:
+    changed = False
+    for node in tree.body:
+      if isinstance(node, ast.Assign) and _base_name(node.value) in names:
+        for target in node.targets:
+          if isinstance(target, ast.Name) and target.id not in names:
+            names.add(target.id)
+            changed = True
+  return names
 
 
 class LayeringTest(absltest.TestCase):
@@ -154,6 +195,66 @@ class LayeringTest(absltest.TestCase):
             and node.args[0].id in jax_names
         ):
           self.fail(f'{name}.py:{node.lineno} calls setattr on a JAX object')
+
+  def test_only_flax_hooks_replaces_flax_objects(self):
+    modules = _modules()
+    self.assertIn(FLAX_HOOKS, modules)
+    for name, tree in modules.items():
+      if name == FLAX_HOOKS:
+        continue
+      flax_names = _names_bound_to_flax(tree)
+      for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Assign):
+          targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+          targets = [node.target]
+        elif isinstance(node, ast.Delete):
+          targets = node.targets
+        for target in targets:
+          for part in ast.walk(target):
+            if isinstance(part, ast.Attribute) and isinstance(
+                part.ctx, (ast.Store, ast.Del)
+            ):
+              base = _base_name(part)
+              self.assertNotIn(
+                  base,
+                  flax_names,
+                  f'{name}.py:{node.lineno} assigns {ast.unparse(part)};'
+                  ' replacements of Flax objects go in nnx/flax_hooks.py',
+              )
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ('setattr', 'delattr')
+            and node.args
+        ):
+          base = _base_name(node.args[0])
+          self.assertNotIn(
+              base,
+              flax_names,
+              f'{name}.py:{node.lineno} calls {node.func.id} on a Flax'
+              ' object; replacements go in nnx/flax_hooks.py',
+          )
+          if _in_nnx_layer(name):
+            self.assertEqual(
+                base,
+                'self',
+                f'{name}.py:{node.lineno}: {ast.unparse(node)} outside'
+                ' nnx/flax_hooks.py (only the legacy attribute of a module'
+                ' instance, on self)',
+            )
+
+  def test_names_bound_to_flax_are_found(self):
+    # The check above is only as good as this: aliases and re-bindings.
+    tree = ast.parse(
+        'from flax import nnx\n'
+        'from flax.nnx import graphlib as g\n'
+        'import flax.linen\n'
+        'M = nnx.Module\n'
+        'from flax.nnx.sow import capture\n'
+    )
+    self.assertEqual(_names_bound_to_flax(tree), {'nnx', 'g', 'flax', 'M'})
 
   def test_flax_nnx_only_in_the_nnx_layer(self):
     modules = _modules()

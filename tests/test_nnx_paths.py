@@ -37,6 +37,7 @@ import numpy as np
 
 import flax.nnx.sow  # noqa: F401  (installs the shims)
 from flax.nnx.sow import capture
+from flax.nnx.sow.nnx import flax_hooks
 from flax.nnx.sow.nnx import shims as nnx_shims
 from flax.nnx.sow.nnx import scope as paths
 
@@ -564,10 +565,12 @@ class UnnamedModuleTest(PathsTestCase):
 class HooksTest(PathsTestCase):
 
   def test_installed_once_and_idle_outside_capture(self):
-    self.assertIs(graphlib.unflatten, paths._unflatten)
-    self.assertIs(nnx.merge.__globals__['unflatten'], paths._unflatten)
-    paths.install_hooks()
-    self.assertIs(graphlib.unflatten, paths._unflatten)
+    hook = flax_hooks.replacement('graph_unflatten')
+    self.assertIs(hook.func, paths._unflatten)  # pylint: disable=protected-access
+    self.assertIs(graphlib.unflatten, hook)
+    self.assertIs(nnx.merge.__globals__['unflatten'], hook)
+    nnx_shims.install()
+    self.assertIs(graphlib.unflatten, hook)
     model = Model()
     graphdef, state = nnx.split(model)
     copy = nnx.merge(graphdef, state)  # outside a capture: nothing recorded
@@ -578,14 +581,19 @@ class HooksTest(PathsTestCase):
     self.assertIsInstance(copy.blocks[0].act, nnx.Intermediate)
 
   def test_uninstall_restores_flax(self):
-    original = paths._ORIGINAL['unflatten']
+    original = flax_hooks.original('graph_unflatten')
     nnx_shims.uninstall()
     try:
+      for hook in flax_hooks.INVENTORY:
+        for owner, attribute in hook.targets:
+          self.assertIs(
+              getattr(owner, attribute), flax_hooks.original(hook.name)
+          )
       self.assertIs(graphlib.unflatten, original)
       self.assertIs(nnx.unflatten, original)
     finally:
       nnx_shims.install()
-    self.assertIs(graphlib.unflatten, paths._unflatten)
+    self.assertIs(graphlib.unflatten, flax_hooks.replacement('graph_unflatten'))
 
   def test_threads_name_their_own_merges(self):
     models = [Model(0), Model(1)]

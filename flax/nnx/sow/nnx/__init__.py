@@ -20,6 +20,8 @@
 * ``shims.py``: ``Module.sow``, ``Module.perturb`` and ``nnx.capture`` on the
   core.
 * ``state.py``: ``collected`` <-> ``nnx.State``.
+* ``flax_hooks.py``: the only file that replaces Flax objects (the inventory
+  of what is replaced, why, and the public Flax hook that would replace it).
 
 It reaches the functional core through its public names and the core's
 registries (``collect.call_hooks``, ``collect.opaque_leaf_checks``,

@@ -23,7 +23,12 @@ root. The roots (:meth:`Scope.add_roots`) are
   (:func:`referenced_graph_nodes`: closures, globals, bound ``self``,
   ``functools.partial`` arguments),
 
-counting only those that hold a Module and are not inside another root. One
+counting only those that hold a Module and are not inside another root.
+A functional capture names them lazily (:meth:`Scope.defer_roots`): when a
+module first asks for its path, or an NNX transform hands over copies;
+the splits and merges Flax made before that are replayed in order. A
+capture of a function that uses no NNX object walks no argument and
+searches ``f`` for nothing. One
 root is at ``()`` (so ``nnx.capture(model, ...)`` gives Flax's paths); with
 several, an argument's root is prefixed by its position (``(0, ...)``, ``(1,
 ...)``, a keyword by its name, then its place inside the argument's pytree, as
@@ -36,8 +41,8 @@ Flax's own split/merge, the same on every run:
 1. **split/merge**: while a scope is active, Flax's ``graphlib.flatten``
    records the graphdef it returns with the object it split, and
    ``graphlib.unflatten`` gives the object it builds from a recorded graphdef
-   (the same object, or an equal graphdef when only one object was split to
-   it) the paths of the split object, position by position. This names
+   (the same graphdef object) the paths of the split object, position by
+   position. This names
    ``nnx.split``/``nnx.merge`` inside the call and NNX transforms in graph
    mode, with or without ``graph_updates``.
 2. **update contexts**: an NNX transform in graph mode also maps its inner
@@ -55,9 +60,9 @@ innermost scope that accepts it and names the module (:func:`locate`). A
 module that no scope names (one created inside the call, or a copy a plain
 JAX transform made of a Module pytree) makes ``Module.sow`` raise
 (``shims.py``). Nothing is kept from one call to the next, and no
-attribute is set on any module. The four Flax functions are wrapped once
-(:func:`install_hooks`, idempotent, thread-safe); outside a capture the
-wrappers only check that the thread has no active scope.
+attribute is set on any module. The four Flax functions are wrapped by
+``flax_hooks.py`` (its inventory says why); outside a capture the wrappers
+only check that the thread has no active scope.
 """
 
 from __future__ import annotations
@@ -76,6 +81,9 @@ from flax import nnx
 # Flax internals (adapt here for a new Flax release).
 from flax.nnx import extract as _extract
 from flax.nnx import graphlib as _graphlib
+from flax.nnx import tracers as _tracers
+
+from flax.nnx.sow.nnx import flax_hooks
 
 Path = tuple[tp.Union[str, int], ...]
 
@@ -247,6 +255,47 @@ class Scope:
     self.splits: dict[int, tuple[tp.Any, tp.Any]] = {}  # graphdef, source
     # Root paths two roots would share: a sow under them raises.
     self.shared: dict[Path, str] = {}
+    # Lazy roots (defer_roots): what names them, and the splits and merges
+    # Flax made before they were named, replayed in order when they are.
+    self._pending: tuple[tuple, dict, tp.Any] | None = None
+    self._events: list[tuple[bool, tp.Any, tp.Any]] = []
+    self._unnamed: tuple | None = None
+    # The JAX trace the captured function's top level runs in (trace_key).
+    self._trace_state: tp.Any = None
+
+  def defer_roots(self, args: tuple, kwargs: dict, f) -> None:
+    """Names the roots of ``args``/``kwargs`` and ``f`` (:meth:`add_roots`)
+    when a path is first asked for, not now: a call in which no module
+    sows costs the scope nothing more."""
+    self._pending = (args, kwargs, f)
+    self._unnamed = _unnamed_key(self._cheap_fingerprint())
+
+  def name_roots(self, args: tuple, kwargs: dict, f) -> None:
+    """:meth:`add_roots` of ``args``/``kwargs`` and what ``f`` refers to."""
+    self.add_roots(args, kwargs, f, referenced_graph_nodes(f))
+
+  def _ensure_roots(self) -> None:
+    pending = self._pending
+    if pending is None:
+      return
+    self._pending = None
+    with _busy():
+      self.name_roots(*pending)
+      events, self._events = self._events, []
+      for is_split, graphdef, node in events:
+        if is_split:
+          self.note_split(graphdef, node)
+        else:
+          self.note_merge(graphdef, node)
+    state = self._trace_state
+    if state is not None and _tracers.current_jax_trace() != state:
+      # Named inside a transform f called (e.g. in a jax.jit's trace, which
+      # JAX caches under the key of the unnamed scope): no later call may
+      # share that key (see _unnamed_key).
+      with _GENERATION_LOCK:
+        if _UNNAMED_GENERATION[0] == self._unnamed[2]:
+          _UNNAMED_GENERATION[0] += 1
+    _rekey()
 
   def accepts(self, tag) -> bool:
     return self.types is None or tag in self.types
@@ -302,31 +351,37 @@ class Scope:
 
   def clash(self, path: Path) -> str | None:
     """Why ``path`` does not name one module, or ``None``."""
+    self._ensure_roots()
     for k in range(len(path) + 1):
       why = self.shared.get(path[:k])
       if why is not None:
         return why
     return None
 
+  def _cheap_fingerprint(self):
+    return (self.kind, self.types, self.method_outputs, self.init_keys)
+
   def fingerprint(self):
-    return (
-        self.kind,
-        self.types,
-        self.method_outputs,
-        self.init_keys,
-        tuple(self.structure),
-    )
+    """This scope's part of the jit cache key (``trace_key``): an
+    :func:`_unnamed_key` while its roots are not named, else what decides
+    the names and returns of ``Module.sow`` (tags, roots' paths and
+    types)."""
+    if self._pending is not None:
+      return self._unnamed
+    return (*self._cheap_fingerprint(), tuple(self.structure))
 
   # Resolution ----------------------------------------------------------------
 
   def resolve(self, obj, tier: str = EXACT) -> Path | None:
     """``obj``'s path from this scope's roots, using the facts of ``tier``."""
+    self._ensure_roots()
     if tier == EXACT:
       return self._exact(obj)
     hit = self._merged_hit(obj)
     return None if hit is None else hit[1]
 
   def _merged_hit(self, obj):
+    self._ensure_roots()
     while self._merged_pending:
       graphdef, node = self._merged_pending.pop(0)
       why = None
@@ -376,37 +431,28 @@ class Scope:
   # Facts from Flax (the hooks below) ----------------------------------------
 
   def note_split(self, graphdef, node) -> None:
+    if self._pending is not None:
+      self._events.append((True, graphdef, node))
+      return
     self.splits[id(graphdef)] = (graphdef, node)
 
   def note_merge(self, graphdef, node) -> None:
+    if self._pending is not None:
+      self._events.append((False, graphdef, node))
+      return
     if self.nodes.get(id(node), (None,))[0] is node:
       return  # an object the scope knows (a NodeRef, a reused object)
     hit = self.splits.get(id(graphdef))
-    if hit is not None and hit[0] is graphdef:
-      source = hit[1]
-    else:
-      source = self._equal_split(graphdef)
-    if source is not None and self.pair(source, node):
+    if hit is not None and hit[0] is graphdef and self.pair(hit[1], node):
       return
     self._merged_pending.append((graphdef, node))
-
-  def _equal_split(self, graphdef):
-    sources = {}
-    for g, source in self.splits.values():
-      if (
-          g.num_leaves == graphdef.num_leaves
-          and len(g.nodes) == len(graphdef.nodes)
-          and g == graphdef
-      ):
-        key = self._exact(source)
-        sources[id(source) if key is None else key] = source
-    return sources.popitem()[1] if len(sources) == 1 else None
 
   def pair(self, source, copy) -> bool:
     """Gives each graph node of ``copy`` the path of ``source``'s at its place.
 
     Returns whether ``source`` held a node this scope knows.
     """
+    self._ensure_roots()
     at = dict(_graph_nodes(source))
     found = False
     for rel, child in _graph_nodes(copy):
@@ -421,10 +467,31 @@ class Scope:
     return found
 
   def note_transform_copies(self, outer: dict, inner: dict) -> None:
+    self._ensure_roots()
     for key, copy in inner.items():
       original = outer.get(key)
       if original is not None and type(original) is type(copy):
         self.pair(original, copy)
+
+
+# The generation of the keys of unnamed scopes (Scope.fingerprint): a new
+# one each time a scope names its roots inside a trace JAX may have cached
+# under the current generation's key (a counter, like perturb's ordinals).
+_UNNAMED_GENERATION = [0]
+_GENERATION_LOCK = threading.Lock()
+
+
+def _unnamed_key(cheap) -> tuple:
+  """A scope's part of the jit cache key while its roots are not named.
+
+  Equal for the unnamed scopes with the same tags on one thread, so that
+  what JAX caches inside one capture call (an inner ``jax.jit``, an eager
+  primitive) serves the next, until a scope names its roots inside such a
+  trace: then the cached trace may hold ``Module.sow`` names from its
+  roots, and the generation moves on, so no later call shares its key. A
+  plain tuple: JAX hashes it for every eager primitive.
+  """
+  return ('unnamed', cheap, _UNNAMED_GENERATION[0], threading.get_ident())
 
 
 class _busy:
@@ -462,14 +529,15 @@ class ActiveScope:
     self.scope = scope
 
   def __enter__(self):
+    # What a tree-mode transform received is this call's (restored after).
+    self._transform_args, LOCAL.transform_args = LOCAL.transform_args, None
     LOCAL.scopes.append(self.scope)
     return self.scope
 
   def __exit__(self, *exc):
     popped = LOCAL.scopes.pop()
     assert popped is self.scope
-    if not LOCAL.scopes:
-      LOCAL.transform_args = None
+    LOCAL.transform_args = self._transform_args
 
 
 class trace_key:
@@ -483,12 +551,25 @@ class trace_key:
   """
 
   def __enter__(self):
+    for scope in LOCAL.scopes:
+      if scope._pending is not None and scope._trace_state is None:  # pylint: disable=protected-access
+        scope._trace_state = _tracers.current_jax_trace()  # pylint: disable=protected-access
     key = tuple(s.fingerprint() for s in LOCAL.scopes)
     self._key = TRACE_KEY((key, ()))
     self._key.__enter__()
 
   def __exit__(self, *exc):
     self._key.__exit__(*exc)
+
+
+def _rekey() -> None:
+  """Puts the scopes' fingerprints in the key again (after one named its
+  roots) inside a captured function."""
+  current = TRACE_KEY.value
+  if isinstance(current, tuple) and len(current) == 2:
+    key = tuple(s.fingerprint() for s in LOCAL.scopes)
+    if key != current[0]:
+      TRACE_KEY_CONFIG.swap_local((key, current[1]))
 
 
 def _key_on_split(node) -> None:
@@ -656,14 +737,6 @@ def _global_names(code: types.CodeType) -> tuple[str, ...]:
 # ----------------------------------------------------------------------------
 # Hooks in Flax's split/merge and tree-mode transforms
 
-_ORIGINAL = {
-    'flatten': _graphlib.flatten,
-    'unflatten': _graphlib.unflatten,
-    'check_no_aliases': _extract.check_no_aliases,
-    'snapshot': _extract.snapshot,
-}
-_HOOKS_LOCK = threading.Lock()
-
 
 def _is_splittable(x) -> bool:
   # A graph node or a container of them (nnx.split((model, optimizer))).
@@ -674,9 +747,8 @@ def _watching() -> bool:
   return bool(LOCAL.scopes) and not LOCAL.busy
 
 
-@functools.wraps(_ORIGINAL['flatten'])
-def _flatten(node, /, **kwargs):
-  out = _ORIGINAL['flatten'](node, **kwargs)
+def _flatten(original, node, /, **kwargs):
+  out = original(node, **kwargs)
   if _watching() and _is_splittable(node):
     for scope in LOCAL.scopes:
       scope.note_split(out[0], node)
@@ -685,9 +757,8 @@ def _flatten(node, /, **kwargs):
   return out
 
 
-@functools.wraps(_ORIGINAL['unflatten'])
-def _unflatten(graphdef, state, /, **kwargs):
-  node = _ORIGINAL['unflatten'](graphdef, state, **kwargs)
+def _unflatten(original, graphdef, state, /, **kwargs):
+  node = original(graphdef, state, **kwargs)
   if _watching() and _is_splittable(node):
     with _busy():
       for scope in LOCAL.scopes:
@@ -705,18 +776,16 @@ def _by_position(trees: tp.Mapping[str, tp.Any]) -> dict:
   return nodes
 
 
-@functools.wraps(_ORIGINAL['check_no_aliases'])
-def _check_no_aliases(fn_name, /, *, check=(), **kwargs):
-  out = _ORIGINAL['check_no_aliases'](fn_name, check=check, **kwargs)
+def _check_no_aliases(original, fn_name, /, *, check=(), **kwargs):
+  out = original(fn_name, check=check, **kwargs)
   if _watching() and not check:
     # A tree-mode transform about to run: remember what it received.
     LOCAL.transform_args = _by_position(kwargs)
   return out
 
 
-@functools.wraps(_ORIGINAL['snapshot'])
-def _snapshot(args):
-  out = _ORIGINAL['snapshot'](args)
+def _snapshot(original, args):
+  out = original(args)
   fields = getattr(args, '_fields', None)
   outer = LOCAL.transform_args
   if _watching() and outer and fields is not None:
@@ -728,28 +797,8 @@ def _snapshot(args):
   return out
 
 
-_HOOKS = {
-    (_graphlib, 'flatten'): _flatten,
-    (_graphlib, 'unflatten'): _unflatten,
-    (nnx, 'flatten'): _flatten,
-    (nnx, 'unflatten'): _unflatten,
-    (_extract, 'check_no_aliases'): _check_no_aliases,
-    (_extract, 'snapshot'): _snapshot,
-}
-
-
-def install_hooks() -> None:
-  """Wraps Flax's split/merge and tree-mode transform helpers; idempotent."""
-  if _graphlib.unflatten is _unflatten:
-    return
-  with _HOOKS_LOCK:
-    for (module, name), hook in _HOOKS.items():
-      setattr(module, name, hook)
-
-
-def uninstall_hooks() -> None:
-  """Restores Flax's functions; idempotent."""
-  with _HOOKS_LOCK:
-    for (module, name), hook in _HOOKS.items():
-      if getattr(module, name) is hook:
-        setattr(module, name, _ORIGINAL[name])
+# Wrapped in Flax by flax_hooks.py (its inventory says why).
+flax_hooks.register('graph_flatten', _flatten)
+flax_hooks.register('graph_unflatten', _unflatten)
+flax_hooks.register('check_no_aliases', _check_no_aliases)
+flax_hooks.register('snapshot', _snapshot)

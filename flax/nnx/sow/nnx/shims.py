@@ -32,9 +32,9 @@ one call to the next: the State is built from what the capture returns.
 type (``tags`` that type), so a name sown as ``Intermediate`` and perturbed
 as ``Perturbation`` lands in two captures and two States, as in Flax.
 
-:func:`install` patches Flax (``Module.sow``, ``Module.perturb``,
-``nnx.capture``, and the split/merge hooks of ``scope.py``);
-:func:`uninstall` restores the originals. Both are
+:func:`install` puts every Flax replacement of the NNX layer in place (the
+inventory of ``flax_hooks.py``: these shims and the split/merge hooks of
+``scope.py``); :func:`uninstall` restores the originals. Both are
 idempotent. Every use of a Flax internal is in the block below.
 """
 
@@ -44,7 +44,6 @@ import dataclasses
 import functools
 import inspect
 import operator
-import threading
 import typing as tp
 import warnings
 
@@ -58,6 +57,7 @@ from flax.nnx import graphlib as _graphlib
 from flax.nnx import module as _module_lib
 from flax.nnx import variablelib as _variablelib
 
+from flax.nnx.sow.nnx import flax_hooks
 from flax.nnx.sow.nnx import state as state_lib
 from flax.nnx.sow.capturing import stage_and_collect
 from flax.nnx.sow.nnx.calls import functional_graph_call
@@ -81,9 +81,6 @@ __all__ = [
 
 _TUPLE_REDUCE = _module_lib.tuple_reduce
 _TUPLE_INIT = _module_lib.tuple_init
-_ORIGINAL_CAPTURE = _module_lib.capture
-_ORIGINAL_SOW = _module_lib.Module.sow
-_ORIGINAL_PERTURB = _module_lib.Module.perturb
 
 
 @dataclasses.dataclass(frozen=True)
@@ -359,9 +356,6 @@ def module_perturb(self, name: str, value, variable_type=nnx.Perturbation):
 # method_outputs: wrap each public method for the duration of a capture.
 # --------------------------------------------------------------------------
 
-_WRAPPED: dict[type, tuple[int, dict[str, tp.Any]]] = {}
-_WRAPPED_LOCK = threading.Lock()
-
 
 def _method_output_wrapper(method_name: str, method):
 
@@ -389,37 +383,12 @@ def _method_output_wrapper(method_name: str, method):
   return wrapper
 
 
-def _wrappable(cls, name, attr) -> bool:
+def _wrappable(name, attr) -> bool:
   if name.startswith('_') and name != '__call__':
     return False
   if isinstance(attr, (staticmethod, classmethod, property, type)):
     return False
   return callable(attr) and not getattr(attr, '_nnx_sow_method_output', False)
-
-
-def _wrap_methods(classes) -> None:
-  with _WRAPPED_LOCK:
-    for cls in classes:
-      count, originals = _WRAPPED.get(cls, (0, None))
-      if count == 0:
-        originals = {}
-        for name, attr in list(vars(cls).items()):
-          if _wrappable(cls, name, attr):
-            originals[name] = attr
-            setattr(cls, name, _method_output_wrapper(name, attr))
-      _WRAPPED[cls] = (count + 1, originals)
-
-
-def _unwrap_methods(classes) -> None:
-  with _WRAPPED_LOCK:
-    for cls in classes:
-      count, originals = _WRAPPED[cls]
-      if count == 1:
-        for name, attr in originals.items():
-          setattr(cls, name, attr)
-        del _WRAPPED[cls]
-      else:
-        _WRAPPED[cls] = (count - 1, originals)
 
 
 # --------------------------------------------------------------------------
@@ -617,7 +586,7 @@ def capture(
           for _, m in nnx.iter_graph(module, graph=True)
           if isinstance(m, nnx.Module)
       }
-      _wrap_methods(classes)
+      flax_hooks.wrap_methods(classes, _wrappable, _method_output_wrapper)
     try:
       result, collected = functional_graph_call(
           stage,
@@ -631,7 +600,7 @@ def capture(
       )
     finally:
       if classes:
-        _unwrap_methods(classes)
+        flax_hooks.unwrap_methods(classes)
     if not var_types:
       return result
     # One State per requested type, by exact type (a subclass of a requested
@@ -648,35 +617,29 @@ def capture(
 # install / uninstall
 # --------------------------------------------------------------------------
 
-_INSTALL_LOCK = threading.Lock()
+# Put in place of Flax's by flax_hooks.py (its inventory says why).
+flax_hooks.register('module_sow', module_sow)
+flax_hooks.register('module_perturb', module_perturb)
+flax_hooks.register('capture', capture)
 
 
 def installed() -> bool:
-  """Whether the shims are in place of Flax's originals."""
-  return nnx.capture is capture and _module_lib.Module.sow is module_sow
+  """Whether the shims and hooks are in place of Flax's originals."""
+  return flax_hooks.installed()
 
 
 def install() -> None:
-  """Puts the shims in place of ``Module.sow``/``perturb`` and ``nnx.capture``.
+  """Puts the shims in place of ``Module.sow``/``perturb`` and ``nnx.capture``,
+  and the split/merge hooks of ``scope.py`` in Flax (``flax_hooks.py``).
 
   Idempotent; importing ``flax.nnx.sow`` calls it.
   """
-  with _INSTALL_LOCK:
-    _module_lib.Module.sow = module_sow
-    _module_lib.Module.perturb = module_perturb
-    _module_lib.capture = capture
-    nnx.capture = capture
-    scope_lib.install_hooks()
+  flax_hooks.install()
 
 
 def uninstall() -> None:
-  """Restores Flax's original ``Module.sow``/``perturb`` and ``nnx.capture``.
+  """Restores Flax's originals (``flax_hooks.py``).
 
   Idempotent; for code that compares against the originals (benchmarks).
   """
-  with _INSTALL_LOCK:
-    _module_lib.Module.sow = _ORIGINAL_SOW
-    _module_lib.Module.perturb = _ORIGINAL_PERTURB
-    _module_lib.capture = _ORIGINAL_CAPTURE
-    nnx.capture = _ORIGINAL_CAPTURE
-    scope_lib.uninstall_hooks()
+  flax_hooks.uninstall()

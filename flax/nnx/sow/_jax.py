@@ -112,6 +112,7 @@ while_p = lax_control_flow.while_p
 shard_map_p = shard_map_lib.shard_map_p
 shard_aval = core.shard_aval
 cond_p = lax_control_flow.cond_p
+linear_solve_p = lax_control_flow.linear_solve_p
 
 typeof = core.typeof
 Trace = core.Trace

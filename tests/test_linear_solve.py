@@ -293,6 +293,19 @@ class CaptureTest(parameterized.TestCase):
     assert_close(g, 1.0 / D)
     assert_collected(self, collected, {'m': (A @ B,)})
 
+  def test_nested_solve_under_grad(self):
+    # solve itself calls a custom_linear_solve that sows: under grad the
+    # outer tangent solve is re-bound with its sows (nested ones included)
+    # made remat copies, which must keep the inner equation's parameters.
+    inner = linear_solve(solve_sowing, symmetric=True)
+    f = linear_solve(lambda _, b: inner(b), symmetric=True)
+    out, collected = capture(f)(B)
+    assert_close(out, B / D)
+    assert_collected(self, collected, {'s': (B / D,)})
+    g, collected = capture(jax.grad(loss(f)))(B)
+    assert_close(g, 1.0 / D)
+    assert_collected(self, collected, {'s': (B / D,)})
+
 
 class ErrorTest(absltest.TestCase):
 

@@ -574,6 +574,48 @@ def _custom_programs() -> dict[str, Program]:
 
 
 # ----------------------------------------------------------------------------
+# custom_linear_solve (its JVP rule and bind are wrapped).
+
+
+def _diag_solve(x):
+  """``x = A^{-1} b`` for a diagonal ``A``, with and without symmetry."""
+  a = jnp.diag(jnp.array([2.0, 4.0, 8.0]))
+
+  def solve(_, b):
+    return b / jnp.diag(a)
+
+  plain = jax.lax.custom_linear_solve(lambda v: a @ v, x, solve, solve)
+  sym = jax.lax.custom_linear_solve(
+      lambda v: a @ jnp.sin(x) * v, x, solve, symmetric=True
+  )
+  return plain * sym
+
+
+def _linear_solve_programs() -> dict[str, Program]:
+  need = ('custom_linear_solve',)
+  f = _diag_solve
+  batched = jnp.stack([x3, -x3])
+  return {
+      'linear_solve_jit': (jax.jit(f), (x3,), ('jit', *need)),
+      'linear_solve_grad': (_grad(f), (x3,), need),
+      'linear_solve_jit_grad': (jax.jit(_grad(f)), (x3,), ('jit', *need)),
+      'linear_solve_jvp': (lambda x: jax.jvp(f, (x,), (x,)), (x3,), need),
+      'linear_solve_linearize': (
+          lambda x: jax.linearize(f, x)[1](x),
+          (x3,),
+          need,
+      ),
+      'linear_solve_vmap': (jax.vmap(f), (batched,), need),
+      'linear_solve_vmap_grad': (jax.vmap(_grad(f)), (batched,), need),
+      'linear_solve_checkpoint_grad': (
+          _grad(jax.checkpoint(f)),
+          (x3,),
+          ('remat2', *need),
+      ),
+  }
+
+
+# ----------------------------------------------------------------------------
 # Across devices.
 
 
@@ -635,6 +677,7 @@ def programs() -> dict[str, Program]:
       **_checkpoint_programs(),
       **_loop_programs(),
       **_custom_programs(),
+      **_linear_solve_programs(),
       **_sharding_programs(),
   }
 

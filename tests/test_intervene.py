@@ -32,6 +32,7 @@ from absl.testing import parameterized
 from flax import nnx
 import jax
 import jax.numpy as jnp
+from jax.experimental.scheduling_groups import xla_metadata_call
 import numpy as np
 
 from flax.nnx.sow import capture
@@ -1253,14 +1254,15 @@ class ErrorTest(parameterized.TestCase):
       intervene(f, {'h': (R1,)})(X)
 
   def test_construct_without_a_rule(self):
-    def f(b):
-      return jax.lax.custom_linear_solve(
-          lambda v: sow(v, name='h') * 2.0, b, solve=lambda mv, b: b / 2.0
-      )
+    def f(x):
+      # A higher-order primitive that no construct file handles.
+      return xla_metadata_call(
+          lambda v: sow(v, name='h') * 2.0, scheduling_group='g'
+      )(x)
 
     with self.assertRaisesRegex(
         NotImplementedError,
-        r"sow 'h' \(at .*\) is inside `custom_linear_solve`.*no rule"
+        r"sow 'h' \(at .*\) is inside `xla_metadata_call`.*no rule"
         r'.*intervene_rules',
     ):
       intervene(f, {'h': lambda v: v})(X)

@@ -35,6 +35,7 @@ from absl.testing import parameterized
 from flax import nnx
 import jax
 import jax.numpy as jnp
+from jax.experimental.scheduling_groups import xla_metadata_call
 import numpy as np
 
 from flax.nnx.sow import capture
@@ -1099,18 +1100,18 @@ class NamesAndErrorsTest(absltest.TestCase):
       capture(f)(jnp.zeros((3,)))
 
   def test_no_rule_names_file_and_line(self):
-    def f(b):
-      return jax.lax.custom_linear_solve(
+    def f(x):
+      # A higher-order primitive that no construct file handles.
+      return xla_metadata_call(
           lambda v: sow(v, name='matvec') * 2.0,  # LINE-SOLVE
-          b,
-          solve=lambda matvec, b: b / 2.0,
-      )
+          scheduling_group='g',
+      )(x)
 
     line = _line_of('# LINE-SOLVE')
     with self.assertRaisesRegex(
         NotImplementedError,
         rf"sow 'matvec' \(at .*test_real_programs.py:{line}.*"
-        r'custom_linear_solve',
+        r'xla_metadata_call.*no capture rule',
     ):
       capture(f)(jnp.ones(2))
 

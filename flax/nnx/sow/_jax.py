@@ -112,6 +112,7 @@ remat_opt_p = custom_derivatives.remat_opt_p
 custom_vmap_p = custom_batching.custom_vmap_p
 shard_map_p = shard_map_lib.shard_map_p
 shard_aval = core.shard_aval
+linear_solve_p = lax_control_flow.linear_solve_p
 
 typeof = core.typeof
 Trace = core.Trace

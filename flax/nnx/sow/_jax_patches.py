@@ -338,6 +338,27 @@ INVENTORY: tuple[Patch, ...] = (
         'As for scan_batching.',
         _wrap_attribute(_jax.batching.BatchTrace, 'process_shard_map'),
     ),
+    Patch(
+        'linear_solve_jvp',
+        'ad.primitive_jvps[linear_solve_p]',
+        'constructs/linear_solve.py',
+        'The JVP binds the solve again on tangents (then transposed to run'
+        ' on cotangents); its sows must not be collected a second time.',
+        'A way for a JVP rule to mark the jaxprs it re-binds on tangents as'
+        ' recomputations (or a per-effect hook in that rule).',
+        _wrap_rule(_jax.primitive_jvps, _jax.linear_solve_p),
+    ),
+    Patch(
+        'linear_solve_bind',
+        'linear_solve_p.bind_with_trace',
+        'constructs/linear_solve.py',
+        'symmetric=True (or a solve that calls matvec) traces the sows of'
+        ' solve again into transpose_solve (or matvec), which never run on'
+        ' primal values; those copies are marked as such when the equation'
+        ' is bound, so an enclosing jit or loop sees each sow once.',
+        'A per-primitive hook saying which sub-jaxprs run on primal values.',
+        _wrap_bind_with_trace(_jax.linear_solve_p),
+    ),
 )
 
 _BY_NAME = {p.name: p for p in INVENTORY}

@@ -109,7 +109,7 @@ def capture(
       shapes; an accumulator that changes type; one name with different
       reductions.
     NotImplementedError: a sow inside a construct with no capture rule (e.g.
-      ``custom_linear_solve``), a plain sow in a ``shard_map`` that
+      ``xla_metadata_call``), a plain sow in a ``shard_map`` that
       ``jax.vmap`` maps over, a reduced sow in a nested ``shard_map``; in a
       ``custom_vmap`` function that a ``jax.vmap`` around the capture
       batches, a reduced sow or a vmap rule that sows other names than the

@@ -356,5 +356,6 @@ def edit_sows_in(value, edit: tp.Callable, in_custom_call: bool):
     new = tuple(edit_sows_in(v, edit, in_custom_call) for v in value)
     if all(n is v for n, v in zip(new, value)):
       return value
-    return new
+    # A named tuple (custom_linear_solve's ``jaxprs``) keeps its type.
+    return type(value)(*new) if hasattr(value, '_fields') else new
   return value

@@ -23,6 +23,7 @@ batching or partial-evaluation wrapper it needs (registered with
 * ``calls.py``: ``jit``, ``closed_call``, ``call``, ``remat``.
 * ``custom.py``: ``custom_jvp``, ``custom_vjp`` (and ``optimize_remat``),
   ``custom_vmap``.
+* ``linear_solve.py``: ``custom_linear_solve``.
 * ``scan.py``, ``while_loop.py``, ``cond.py`` (``cond`` and ``switch``).
 * ``shard_map.py``: ``shard_map`` and so ``pmap``.
 * ``adapter.py``: the binders every rule adds (leading constants, trailing
@@ -35,8 +36,17 @@ Importing this package registers every construct.
 from flax.nnx.sow.constructs import calls
 from flax.nnx.sow.constructs import cond
 from flax.nnx.sow.constructs import custom
+from flax.nnx.sow.constructs import linear_solve
 from flax.nnx.sow.constructs import scan
 from flax.nnx.sow.constructs import shard_map
 from flax.nnx.sow.constructs import while_loop
 
-__all__ = ['calls', 'cond', 'custom', 'scan', 'shard_map', 'while_loop']
+__all__ = [
+    'calls',
+    'cond',
+    'custom',
+    'linear_solve',
+    'scan',
+    'shard_map',
+    'while_loop',
+]

@@ -1,0 +1,291 @@
+# Copyright 2026 The Flax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+
+"""``lax.custom_linear_solve``: what a sow inside it does.
+
+The primitive holds four functions: ``matvec`` (the linear map ``A``),
+``solve`` (returns ``x`` with ``A x = b``), and, when given (or
+``symmetric=True``), ``vecmat`` and ``transpose_solve`` (the same for the
+transpose). Evaluating the primitive runs ``solve`` only; JAX runs
+``matvec`` and ``solve`` again on tangents under differentiation, and
+``vecmat``/``transpose_solve`` on cotangents.
+
+* A sow inside ``solve`` is collected once per primal solve, with its primal
+  value. The capture adds what ``solve`` collects as extra auxiliary outputs
+  of ``solve`` (JAX's ``has_aux`` path: zero tangents, batched under
+  ``vmap``) and the accumulators of reduced names as extra constants of
+  ``solve``; ``transpose_solve`` returns zeros in their place, as JAX
+  requires the same auxiliary outputs from both. ``intervene`` passes the
+  replacements as extra constants of ``solve``.
+* Under ``jvp``/``grad``/``linearize`` the solve JAX runs on tangents (and
+  so its transpose, on cotangents) is bound with every staged sow made a
+  remat copy (the JVP rule is wrapped: ``linear_solve_jvp`` in the patch
+  inventory), so a differentiated program collects what the primal one
+  does. Collected values get zero tangents: ``custom_linear_solve`` defines
+  the derivative of ``x`` only.
+* A sow in ``matvec``, ``vecmat`` or ``transpose_solve`` is never run on
+  primal values, so nothing can be collected from it. A sow there that is
+  also in ``solve`` (``solve`` calls ``matvec``; ``symmetric=True`` traces
+  ``solve`` again as ``transpose_solve``) is that copy and ignored; any
+  other raises ``NotImplementedError`` naming it.
+"""
+
+from __future__ import annotations
+
+
+import jax.numpy as jnp
+
+from flax.nnx.sow import _jax
+from flax.nnx.sow import _jax_patches
+from flax.nnx.sow.collect import Collector
+from flax.nnx.sow.collect import cached
+from flax.nnx.sow.collect import collect_rules
+from flax.nnx.sow.constructs.adapter import hoisted
+from flax.nnx.sow.constructs.adapter import permuted
+from flax.nnx.sow.inject import intervene_rules
+from flax.nnx.sow.inject import one_body
+from flax.nnx.sow.sites import construct_names
+from flax.nnx.sow.sites import edit_sows_in_jaxpr
+from flax.nnx.sow.sites import holds_staged_sow
+from flax.nnx.sow.sites import sow_sites
+from flax.nnx.sow.sites import to_remat_copy
+from flax.nnx.sow.sites import without_staged_sows
+
+_NAME = '`lax.custom_linear_solve`'
+_OTHERS = ('matvec', 'vecmat', 'transpose_solve')
+
+
+def _copies_in_solve(jaxprs):
+  """The (name, call site) of every sow in ``solve``."""
+  return {(s.name, s.where) for s in sow_sites(jaxprs.solve.jaxpr)}
+
+
+def _check_other_functions(jaxprs, takes) -> None:
+  """Raises for a sow ``takes`` accepts in a function other than ``solve``
+  that is not a copy of one in ``solve`` (same name, same call site)."""
+  in_solve = _copies_in_solve(jaxprs)
+  for field in _OTHERS:
+    closed = getattr(jaxprs, field)
+    if closed is None:
+      continue
+    for site in sow_sites(closed.jaxpr):
+      if takes(site) and (site.name, site.where) not in in_solve:
+        raise NotImplementedError(
+            f'sow {site.name!r}{site.where} is inside the `{field}` function'
+            f' of {_NAME}, which JAX runs only on tangents or cotangents'
+            ' (to differentiate or batch the solve), never on the primal'
+            ' values, so a capture or intervene cannot give it a value. Sow'
+            ' inside `solve`, or sow the inputs or the result of'
+            ' `custom_linear_solve` outside it.'
+        )
+
+
+def _others_without_copies(jaxprs):
+  """``jaxprs`` with the sows outside ``solve`` that copy one in ``solve``
+  remat copies (identities no capture or intervene sees); others kept, for
+  the rules to raise on."""
+  staged = [
+      f
+      for f in _OTHERS
+      if getattr(jaxprs, f) is not None
+      and holds_staged_sow(getattr(jaxprs, f).jaxpr)
+  ]
+  if not staged:
+    return jaxprs
+  in_solve = _copies_in_solve(jaxprs)
+
+  def edit(params, in_custom_call):
+    site = (params['name'], where_of.get(id(params)))
+    if site in in_solve:
+      return to_remat_copy(params, in_custom_call)
+    return None
+
+  changes = {}
+  for f in staged:
+    closed = getattr(jaxprs, f)
+    where_of = {id(s.eqn.params): s.where for s in sow_sites(closed.jaxpr)}
+    changes[f] = cached(
+        closed,
+        ('linear_solve_copies', jaxprs.solve.jaxpr),
+        lambda closed=closed: _jax.ClosedJaxpr(
+            edit_sows_in_jaxpr(closed.jaxpr, edit, False), closed.consts
+        ),
+    )
+  return jaxprs._replace(**changes)
+
+
+def _others_without_sows(jaxprs):
+  """``jaxprs`` with every staged sow outside ``solve`` a remat copy."""
+  return jaxprs._replace(
+      **{
+          f: without_staged_sows(getattr(jaxprs, f))
+          for f in _OTHERS
+          if getattr(jaxprs, f) is not None
+      }
+  )
+
+
+def _with_zero_outputs(closed: _jax.ClosedJaxpr, avals) -> _jax.ClosedJaxpr:
+  """``closed`` returning zeros of ``avals`` after its own outputs (cached)."""
+  avals = tuple(avals)
+
+  def build():
+    def fn(*args):
+      outs = _jax.eval_closed(closed, args)
+      return [*outs, *(jnp.zeros(a.shape, a.dtype) for a in avals)]
+
+    return _jax.trace_to_closed_jaxpr(
+        fn, closed.in_avals, 'linear_solve_transpose_zeros'
+    )
+
+  return cached(closed, ('linear_solve_zeros', avals), build)
+
+
+def _with_solve_consts(eqn, invals, before, after=(), **jaxprs):
+  """Binds ``eqn`` with ``before`` and ``after`` around ``solve``'s constants
+  and ``jaxprs`` replacing its functions."""
+  lengths, old = eqn.params['const_lengths'], eqn.params['jaxprs']
+  at = lengths.matvec + lengths.vecmat
+  end = at + lengths.solve
+  args = [*invals[:at], *before, *invals[at:end], *after, *invals[end:]]
+  lengths = lengths._replace(solve=lengths.solve + len(before) + len(after))
+  return _jax.linear_solve_p.bind(
+      *args, const_lengths=lengths, jaxprs=old._replace(**jaxprs)
+  )
+
+
+# ----------------------------------------------------------------------------
+# Capture: [*consts, *accumulators, *solve_consts, *b]
+#   -> [*x, *aux, *entries, *accumulators]
+
+
+def _linear_solve_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
+  jaxprs = eqn.params['jaxprs']
+  _check_other_functions(
+      jaxprs,
+      lambda s: collector.accepts(s.tag, s.reduction, s.kind, s.name),
+  )
+  new_solve, layout, acc_in = collector.prepare(jaxprs.solve)
+  new_solve, consts = hoisted(new_solve)
+  others = _others_without_sows(jaxprs)
+  changes = dict(solve=new_solve)
+  if others.transpose_solve is not None:
+    extra = new_solve.out_avals[len(eqn.outvars) :]
+    changes['transpose_solve'] = _with_zero_outputs(
+        others.transpose_solve, extra
+    )
+  outs = _with_solve_consts(
+      eqn,
+      invals,
+      [*consts, *acc_in],
+      matvec=others.matvec,
+      vecmat=others.vecmat,
+      **changes,
+  )
+  return collector.split_outputs(layout, outs, len(eqn.outvars))
+
+
+# ----------------------------------------------------------------------------
+# Intervene: [*consts, *solve_consts, *replacements, *b] -> [*x, *aux]
+
+
+def _linear_solve_intervene(injector, eqn, invals):
+  jaxprs = eqn.params['jaxprs']
+  _check_other_functions(jaxprs, lambda s: injector.targets(s.eqn.params))
+  n_consts = eqn.params['const_lengths'].solve
+  new, reps = one_body(injector, jaxprs.solve)
+  new, consts = hoisted(new)
+  # [*consts, *solve_consts, *b, *reps] -> [..., *solve_consts, *reps, *b]
+  n_b = len(new.in_avals) - len(consts) - n_consts - len(reps)
+  lead = len(consts) + n_consts
+  order = [
+      *range(lead),
+      *range(lead + len(reps), lead + len(reps) + n_b),
+      *range(lead, lead + len(reps)),
+  ]
+  new = cached(
+      new,
+      ('linear_solve_reps_first', lead, len(reps)),
+      lambda: permuted(new, order, range(len(new.out_avals))),
+  )
+  others = _others_without_sows(jaxprs)
+  return _with_solve_consts(
+      eqn,
+      invals,
+      consts,
+      reps,
+      matvec=others.matvec,
+      vecmat=others.vecmat,
+      transpose_solve=others.transpose_solve,
+      solve=new,
+  )
+
+
+collect_rules[_jax.linear_solve_p] = _linear_solve_capture
+
+
+intervene_rules[_jax.linear_solve_p] = _linear_solve_intervene
+
+
+construct_names[_jax.linear_solve_p] = _NAME
+
+
+# ----------------------------------------------------------------------------
+# JVP: the solve JAX runs on tangents must not collect again.
+
+
+def _linear_solve_jvp(original, primals, tangents, *, const_lengths, jaxprs):
+  if not any(j is not None and holds_staged_sow(j.jaxpr) for j in jaxprs):
+    return original(
+        primals, tangents, const_lengths=const_lengths, jaxprs=jaxprs
+    )
+  quiet = jaxprs._replace(
+      **{
+          f: without_staged_sows(j)
+          for f, j in jaxprs._asdict().items()
+          if j is not None
+      }
+  )
+  # JAX's rule with every sow a remat copy gives the tangents; the primal
+  # solve is bound with its sows. (JAX's rule also binds a quiet primal
+  # solve, which dead-code elimination removes under ``jit``.)
+  _, x_dot = original(
+      primals, tangents, const_lengths=const_lengths, jaxprs=quiet
+  )
+  x = _jax.linear_solve_p.bind(
+      *primals, const_lengths=const_lengths, jaxprs=jaxprs
+  )
+  return x, x_dot
+
+
+_jax_patches.register('linear_solve_jvp', _linear_solve_jvp)
+
+
+# ----------------------------------------------------------------------------
+# Bind: the copies of solve's sows that JAX traced into the other functions
+# (``symmetric=True``, a ``solve`` that calls ``matvec``) become remat copies
+# when the equation is bound, so that the enclosing constructs' rules (a
+# ``jit`` counting the entries its body consumes) see each sow once.
+
+
+def _linear_solve_bind(original, trace, args, avals, params):
+  jaxprs = params['jaxprs']
+  quiet = _others_without_copies(jaxprs)
+  if quiet is not jaxprs:
+    params = dict(params, jaxprs=quiet)
+  return original(trace, args, avals, params)
+
+
+_jax_patches.register('linear_solve_bind', _linear_solve_bind)

@@ -1,0 +1,409 @@
+# Copyright 2026 The Flax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+
+"""Sows inside ``lax.custom_linear_solve`` (``constructs/linear_solve.py``).
+
+``A`` is diagonal, so ``solve(b) = b / diag(A)`` is exact and every expected
+value is written out by hand (NumPy) or computed by the same program without
+``sow``: ``x = A^{-1} b``, ``d/db sum(x) = 1 / diag(A)``. The transpose solve
+is the same division (``A`` is symmetric).
+"""
+
+from __future__ import annotations
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flax.nnx.sow import capture
+from flax.nnx.sow import intervene
+from flax.nnx.sow import sow
+
+A = np.array([[2.0, 0.0], [0.0, 4.0]], dtype=np.float32)
+D = np.diag(A)  # [2, 4]
+B = np.array([1.0, 2.0], dtype=np.float32)
+B2 = np.array([[1.0, 2.0], [-3.0, 8.0]], dtype=np.float32)  # a batch of b
+R = np.array([7.0, 8.0], dtype=np.float32)  # a replacement
+
+
+def assert_close(actual, expected):
+  a_leaves, a_tree = jax.tree_util.tree_flatten(actual)
+  e_leaves, e_tree = jax.tree_util.tree_flatten(expected)
+  assert a_tree == e_tree, f'structure {a_tree} != expected {e_tree}'
+  for a, e in zip(a_leaves, e_leaves):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-6)
+
+
+def assert_collected(test, collected, expected):
+  """Exactly ``expected``'s names, in order, entry counts and values."""
+  test.assertEqual(list(collected), list(expected))
+  for name, value in expected.items():
+    if isinstance(value, tuple):
+      test.assertIsInstance(collected[name], tuple, msg=repr(name))
+      test.assertLen(collected[name], len(value), msg=repr(name))
+    assert_close(collected[name], value)
+
+
+def matvec(x):
+  return jnp.asarray(A) @ x
+
+
+def divide(_, b):
+  return b / jnp.asarray(D)
+
+
+def solve_sowing(_, b):
+  return sow(b / jnp.asarray(D), name='s')
+
+
+def linear_solve(solve, symmetric=False, **kwargs):
+  """``x = A^{-1} b`` with ``solve``; ``transpose_solve`` given unless
+  ``symmetric`` (then ``solve`` is traced again as the transpose)."""
+
+  def f(b):
+    transpose_solve = None if symmetric else divide
+    return jax.lax.custom_linear_solve(
+        matvec, b, solve, transpose_solve, symmetric=symmetric, **kwargs
+    )
+
+  return f
+
+
+# The same program without sow (the expected values' reference).
+plain = linear_solve(divide)
+
+
+def loss(f):
+  return lambda b: jnp.sum(f(b))
+
+
+class CaptureTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ('transpose_solve', False), ('symmetric', True)
+  )
+  def test_sow_in_solve(self, symmetric):
+    f = linear_solve(solve_sowing, symmetric)
+    out, collected = capture(f)(B)
+    assert_close(out, B / D)
+    assert_close(out, plain(B))
+    assert_collected(self, collected, {'s': (B / D,)})
+
+  def test_example_of_the_issue(self):
+    a = jnp.array([[2.0, 0.0], [0.0, 4.0]])
+
+    def f(b):
+      solve = lambda matvec, b: sow(b / jnp.diag(a), name='s')
+      return jax.lax.custom_linear_solve(lambda x: a @ x, b, solve)
+
+    out, collected = capture(f)(jnp.ones(2))
+    assert_close(out, np.array([0.5, 0.25], np.float32))
+    assert_collected(
+        self, collected, {'s': (np.array([0.5, 0.25], np.float32),)}
+    )
+
+  @parameterized.named_parameters(
+      ('transpose_solve', False), ('symmetric', True)
+  )
+  def test_under_jit(self, symmetric):
+    f = linear_solve(solve_sowing, symmetric)
+    out, collected = capture(jax.jit(f))(B)
+    assert_close(out, B / D)
+    assert_collected(self, collected, {'s': (B / D,)})
+
+  def test_jaxpr_keeps_the_primitive(self):
+    f = linear_solve(solve_sowing)
+    text = str(jax.make_jaxpr(capture(f))(B))
+    self.assertIn('custom_linear_solve', text)
+
+  def test_two_solves_in_call_order(self):
+    f = linear_solve(solve_sowing)
+    out, collected = capture(lambda b: f(f(b)))(B)
+    assert_close(out, B / D / D)
+    assert_collected(self, collected, {'s': (B / D, B / D / D)})
+
+  @parameterized.named_parameters(
+      ('transpose_solve', False), ('symmetric', True)
+  )
+  def test_grad_collects_the_primal_solve_once(self, symmetric):
+    # grad runs the solve on the primal, then its transpose on the
+    # cotangent (symmetric: the same function, sow included): one entry.
+    f = linear_solve(solve_sowing, symmetric)
+    g, collected = capture(jax.grad(loss(f)))(B)
+    assert_close(g, 1.0 / D)
+    assert_close(g, jax.grad(loss(plain))(B))
+    assert_collected(self, collected, {'s': (B / D,)})
+
+  def test_jit_of_grad(self):
+    f = linear_solve(solve_sowing, symmetric=True)
+    g, collected = capture(jax.jit(jax.grad(loss(f))))(B)
+    assert_close(g, 1.0 / D)
+    assert_collected(self, collected, {'s': (B / D,)})
+
+  def test_jvp_collects_the_primal_solve_once(self):
+    # jvp runs the solve on the tangent too: it must not add an entry.
+    f = linear_solve(solve_sowing)
+    t = np.array([1.0, -1.0], np.float32)
+    (out, tangent), collected = capture(lambda b: jax.jvp(f, (b,), (t,)))(B)
+    assert_close(out, B / D)
+    assert_close(tangent, t / D)
+    assert_collected(self, collected, {'s': (B / D,)})
+
+  def test_grad_around_capture(self):
+    f = linear_solve(solve_sowing)
+    g = jax.grad(lambda b: jnp.sum(capture(f)(b)[0]))(B)
+    assert_close(g, 1.0 / D)
+
+  def test_value_and_grad_with_the_collected_value(self):
+    # Collected values have zero tangents: custom_linear_solve defines the
+    # derivative of x only (the solve need not be differentiable).
+    f = linear_solve(solve_sowing)
+
+    def h(b):
+      x, collected = capture(f)(b)
+      return jnp.sum(x), collected
+
+    (value, collected), g = jax.value_and_grad(h, has_aux=True)(B)
+    assert_close(value, np.sum(B / D))
+    assert_close(g, 1.0 / D)
+    assert_collected(self, collected, {'s': (B / D,)})
+
+  @parameterized.named_parameters(
+      ('transpose_solve', False), ('symmetric', True)
+  )
+  def test_vmap_around_capture(self, symmetric):
+    f = linear_solve(solve_sowing, symmetric)
+    out, collected = jax.vmap(capture(f))(B2)
+    assert_close(out, B2 / D)
+    assert_collected(self, collected, {'s': (B2 / D,)})
+
+  def test_vmap_inside_capture(self):
+    f = linear_solve(solve_sowing)
+    out, collected = capture(jax.vmap(f))(B2)
+    assert_close(out, B2 / D)
+    assert_collected(self, collected, {'s': (B2 / D,)})
+
+  def test_reduced_and_unused_sows(self):
+    def solve(_, b):
+      sow(
+          b,
+          name='total',
+          reduce_fn=lambda acc, v: acc + jnp.sum(v),
+          init_fn=lambda: jnp.float32(10.0),
+      )
+      sow(2.0 * b, name='unused')  # result never used
+      sow(jnp.float32(3.0), name='const')  # a sown constant
+      return b / jnp.asarray(D)
+
+    f = linear_solve(solve, symmetric=True)
+    expected = {
+        'total': np.float32(10.0 + B.sum()),
+        'unused': (2.0 * B,),
+        'const': (np.float32(3.0),),
+    }
+    for transform in (lambda f: f, jax.jit):
+      out, collected = capture(transform(f))(B)
+      assert_close(out, B / D)
+      assert_collected(self, collected, expected)
+    g, collected = capture(jax.grad(loss(f)))(B)
+    assert_close(g, 1.0 / D)
+    assert_collected(self, collected, expected)
+    out, collected = jax.vmap(capture(f))(B2)
+    assert_close(out, B2 / D)
+    assert_collected(
+        self,
+        collected,
+        {
+            'total': 10.0 + B2.sum(axis=1),
+            'unused': (2.0 * B2,),
+            'const': (np.full((2,), 3.0, np.float32),),
+        },
+    )
+
+  def test_reduced_name_also_sown_outside(self):
+    def solve(_, b):
+      sow(
+          b,
+          name='total',
+          reduce_fn=lambda a, v: a + jnp.sum(v),
+          init_fn=lambda: jnp.float32(0.0),
+      )
+      return b / jnp.asarray(D)
+
+    f = linear_solve(solve)
+
+    def g(b):
+      sow(
+          b,
+          name='total',
+          reduce_fn=lambda a, v: a + jnp.sum(v),
+          init_fn=lambda: jnp.float32(0.0),
+      )
+      return f(2.0 * b)
+
+    out, collected = capture(g)(B)
+    assert_close(out, 2.0 * B / D)
+    assert_collected(self, collected, {'total': np.float32(3.0 * B.sum())})
+
+  def test_has_aux(self):
+    def solve(_, b):
+      return sow(b / jnp.asarray(D), name='s'), jnp.sum(b)
+
+    f = linear_solve(solve, symmetric=True, has_aux=True)
+    (x, aux), collected = capture(f)(B)
+    assert_close((x, aux), (B / D, np.float32(B.sum())))
+    assert_collected(self, collected, {'s': (B / D,)})
+    g, collected = capture(jax.grad(lambda b: jnp.sum(f(b)[0])))(B)
+    assert_close(g, 1.0 / D)
+    assert_collected(self, collected, {'s': (B / D,)})
+
+  def test_sow_in_matvec_called_by_solve(self):
+    # solve calls matvec: the sow runs (once) in the primal solve, and the
+    # copy JAX traces as the `matvec` function itself is not collected.
+    def sowing_matvec(x):
+      return sow(jnp.asarray(A) @ x, name='m')
+
+    def f(b):
+      return jax.lax.custom_linear_solve(
+          sowing_matvec,
+          b,
+          lambda mv, b: b / jnp.asarray(D) + 0.0 * mv(b),
+          divide,
+      )
+
+    for transform in (lambda f: f, jax.jit):
+      out, collected = capture(transform(f))(B)
+      assert_close(out, B / D)
+      assert_collected(self, collected, {'m': (A @ B,)})
+    g, collected = capture(jax.grad(loss(f)))(B)
+    assert_close(g, 1.0 / D)
+    assert_collected(self, collected, {'m': (A @ B,)})
+
+  def test_nested_solve_under_grad(self):
+    # solve itself calls a custom_linear_solve that sows: under grad the
+    # outer tangent solve is re-bound with its sows (nested ones included)
+    # made remat copies, which must keep the inner equation's parameters.
+    inner = linear_solve(solve_sowing, symmetric=True)
+    f = linear_solve(lambda _, b: inner(b), symmetric=True)
+    out, collected = capture(f)(B)
+    assert_close(out, B / D)
+    assert_collected(self, collected, {'s': (B / D,)})
+    g, collected = capture(jax.grad(loss(f)))(B)
+    assert_close(g, 1.0 / D)
+    assert_collected(self, collected, {'s': (B / D,)})
+
+
+class ErrorTest(absltest.TestCase):
+
+  def test_sow_in_matvec(self):
+    def f(b):
+      return jax.lax.custom_linear_solve(
+          lambda x: sow(jnp.asarray(A) @ x, name='m'), b, divide, divide
+      )
+
+    assert_close(f(B), B / D)  # outside a capture: an identity
+    pattern = (
+        r"sow 'm' \(at .*test_linear_solve.py:\d+.*\) is inside the `matvec`"
+        r' function of `lax.custom_linear_solve`.*never on the primal'
+        r'.*Sow inside `solve`'
+    )
+    with self.assertRaisesRegex(NotImplementedError, pattern):
+      capture(f)(B)
+    with self.assertRaisesRegex(NotImplementedError, pattern):
+      capture(jax.grad(loss(f)))(B)
+    with self.assertRaisesRegex(NotImplementedError, pattern):
+      intervene(f, {'m': (B,)})(B)
+
+  def test_sow_in_transpose_solve(self):
+    def f(b):
+      return jax.lax.custom_linear_solve(
+          matvec, b, divide, lambda vm, b: sow(b / jnp.asarray(D), name='t')
+      )
+
+    pattern = (
+        r"sow 't' \(at .*test_linear_solve.py:\d+.*\) is inside the"
+        r' `transpose_solve` function of `lax.custom_linear_solve`'
+    )
+    with self.assertRaisesRegex(NotImplementedError, pattern):
+      capture(f)(B)
+    with self.assertRaisesRegex(NotImplementedError, pattern):
+      capture(jax.jit(jax.grad(loss(f))))(B)
+
+  def test_other_tags_are_left_alone(self):
+    # A capture that does not take the matvec's sow does not raise for it.
+    def f(b):
+      return jax.lax.custom_linear_solve(
+          lambda x: sow(jnp.asarray(A) @ x, name='m', tag='other'),
+          b,
+          solve_sowing,
+          divide,
+      )
+
+    out, collected = capture(f, tags=(None,))(B)
+    assert_close(out, B / D)
+    assert_collected(self, collected, {'s': (B / D,)})
+
+
+def by_hand(replacement):
+  """The program with the sown value replaced by ``replacement``."""
+  return linear_solve(lambda _, b: jnp.asarray(replacement) + 0.0 * b)
+
+
+class InterveneTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ('transpose_solve', False), ('symmetric', True)
+  )
+  def test_replaces_the_sown_value(self, symmetric):
+    f = linear_solve(solve_sowing, symmetric)
+    out = intervene(f, {'s': (R,)})(B)
+    assert_close(out, R)
+    assert_close(out, by_hand(R)(B))
+    assert_close(intervene(jax.jit(f), {'s': (R,)})(B), R)
+
+  def test_callable_replacement(self):
+    f = linear_solve(solve_sowing, symmetric=True)
+    out = intervene(f, {'s': lambda v: 3.0 * v})(B)
+    assert_close(out, 3.0 * B / D)
+
+  @parameterized.named_parameters(
+      ('transpose_solve', False), ('symmetric', True)
+  )
+  def test_grad(self, symmetric):
+    # The implicit derivative does not depend on what solve returns:
+    # d/db sum(A^{-1} b) = 1 / diag(A), also with the replacement by hand.
+    f = linear_solve(solve_sowing, symmetric)
+    expected = jax.grad(loss(by_hand(R)))(B)
+    assert_close(expected, 1.0 / D)
+    assert_close(jax.grad(loss(intervene(f, {'s': (R,)})))(B), expected)
+    assert_close(intervene(jax.grad(loss(f)), {'s': (R,)})(B), expected)
+
+  def test_under_vmap(self):
+    f = linear_solve(solve_sowing)
+    out = jax.vmap(intervene(f, {'s': (R,)}))(B2)
+    assert_close(out, np.stack([R, R]))
+
+  def test_capture_sees_the_replacement(self):
+    # The replaced value is what a capture around intervene collects.
+    f = linear_solve(solve_sowing)
+    out, collected = capture(intervene(f, {'s': (R,)}))(B)
+    assert_close(out, R)
+    assert_collected(self, collected, {'s': (R,)})
+
+
+if __name__ == '__main__':
+  absltest.main()

@@ -303,6 +303,16 @@ def _loop_programs() -> dict[str, Program]:
 
     return jax.lax.scan(outer, w, xs.reshape(2, 2, 3))[0]
 
+  def scan_forwarding_cond(w, xs):
+    # The cond returns its operand: the carry is loop-invariant, and the
+    # cond is hoisted (the cond_partial_eval entry).
+    def body(c, x):
+      c = jax.lax.cond(c[0] > 0, lambda v: v, lambda v: v, c)
+      return c, jnp.sin(c * x)
+
+    c, ys = jax.lax.scan(body, w, xs)
+    return c * ys.sum(0)
+
   def fori_static(w):
     return jax.lax.fori_loop(
         0, 4, lambda i, c: c * jnp.cos(w * i) + soft_clip(w), w
@@ -359,6 +369,18 @@ def _loop_programs() -> dict[str, Program]:
           jax.value_and_grad(lambda w, xs: scan_invariant(w, xs).sum()),
           (w3, xs43),
           ('scan',),
+      ),
+      'scan_forwarding_cond_grad': (
+          _grad(scan_forwarding_cond),
+          (w3, xs43),
+          ('scan', 'cond'),
+      ),
+      'scan_forwarding_cond_linearize': (
+          lambda w, xs: jax.linearize(lambda w: scan_forwarding_cond(w, xs), w)[
+              1
+          ](w),
+          (w3, xs43),
+          ('scan', 'cond'),
       ),
       'scan_invariant_linearize': (
           lambda w, xs: jax.linearize(lambda w: scan_invariant(w, xs), w)[1](w),

@@ -406,6 +406,56 @@ class PerturbInWhileLoopTest(parameterized.TestCase):
     self.assertEqual(dict(collected), {})
 
 
+class LoopInvariantCondTest(parameterized.TestCase):
+  """A ``cond`` in a ``scan`` body whose branches return their operand: the
+  carry is loop-invariant, so scan's partial evaluation (``grad``,
+  ``linearize``) hoists the ``cond``; its sows must still run once per
+  iteration (found by an adversarial differential run)."""
+
+  @staticmethod
+  def _scan(x, reduced, switch):
+    def sows(v):
+      if reduced:
+        sow(v[0], name='r', reduce_fn=add, init_fn=lambda: jnp.float32(0.0))
+      else:
+        sow(v[0], name='r')
+      return v
+
+    # Every branch sows a plain name (capture returns the taken branch's);
+    # a reduced name is sown in one branch only.
+    other = (lambda v: v) if reduced else sows
+
+    def step(c, _):
+      if switch:
+        return jax.lax.switch(0, [sows, other, sows], c), None
+      return jax.lax.cond(c[0] > 0, sows, other, c), None
+
+    return jax.lax.scan(step, x, None, length=3)[0]
+
+  @parameterized.product(
+      transform=['grad', 'jit_grad', 'linearize', 'value_and_grad'],
+      reduced=[False, True],
+      switch=[False, True],
+  )
+  def test_sows_run_every_iteration(self, transform, reduced, switch):
+    f = functools.partial(self._scan, reduced=reduced, switch=switch)
+    loss = lambda x: jnp.sum(f(x) * 2.0)
+    t = {
+        'grad': jax.grad(loss),
+        'jit_grad': jax.jit(jax.grad(loss)),
+        'linearize': lambda x: jax.linearize(loss, x)[1](x),
+        'value_and_grad': lambda x: jax.value_and_grad(loss)(x)[1],
+    }[transform]
+    x = jnp.array([1.0, 2.0])
+    _, collected = capture(t)(x)
+    self.assertEqual(list(collected), ['r'])
+    # x[0] = 1 is sown at each of the 3 steps.
+    want = 3.0 if reduced else (np.ones(3, np.float32),)
+    np.testing.assert_allclose(
+        np.asarray(collected['r'], np.float32), np.asarray(want, np.float32)
+    )
+
+
 class LinearizedFunctionTest(parameterized.TestCase):
   """Applying a linear map (or its transpose) adds no primal entries."""
 

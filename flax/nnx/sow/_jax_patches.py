@@ -291,6 +291,18 @@ INVENTORY: tuple[Patch, ...] = (
         _wrap_rule(_jax.custom_partial_eval_rules, _jax.while_p),
     ),
     Patch(
+        'cond_partial_eval',
+        'pe.custom_partial_eval_rules[cond_p]',
+        'constructs/cond.py',
+        'JAX stages the unknown part of a cond whose outputs are all known as'
+        ' an equation no output reaches and drops it, effects included: the'
+        " sows scan's hoisting keeps in the loop would be lost.",
+        'Keeping effectful staged equations in partial evaluation (as'
+        ' default_process_primitive does with effect handles) in the cond'
+        ' rule.',
+        _wrap_rule(_jax.custom_partial_eval_rules, _jax.cond_p),
+    ),
+    Patch(
         'scan_batching',
         'batching.fancy_primitive_batchers[scan_p]',
         'constructs/scan.py',

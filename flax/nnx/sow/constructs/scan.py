@@ -198,6 +198,12 @@ class _Hoisting(threading.local):
 _HOISTING = _Hoisting()
 
 
+def hoisting() -> bool:
+  """Whether scan's loop-invariant hoisting is running (staged sows count as
+  loop-dependent, see :func:`_sow_partial_eval`)."""
+  return bool(_HOISTING.depth)
+
+
 def _keeping_sows_in_loops(rule):
   """``rule`` run with staged sows kept in the loop (see the module doc)."""
 

@@ -307,8 +307,10 @@ def _loop_programs() -> dict[str, Program]:
     # The cond returns its operand: the carry is loop-invariant, and the
     # cond is hoisted (the cond_partial_eval entry).
     def body(c, x):
-      c = jax.lax.cond(c[0] > 0, lambda v: v, lambda v: v, c)
-      return c, jnp.sin(c * x)
+      c, k = jax.lax.cond(
+          c[0] > 0, lambda v: (v, jnp.sin(v)), lambda v: (v, jnp.cos(v)), c
+      )
+      return c, k * x
 
     c, ys = jax.lax.scan(body, w, xs)
     return c * ys.sum(0)

@@ -293,6 +293,16 @@ def _loop_programs() -> dict[str, Program]:
 
     return jax.lax.scan(body, jnp.ones_like(w), xs)[0]
 
+  def scan_calls_invariant(w, xs):
+    def body(c, x):
+      # Loop-invariant calls whose results are partly unused: JAX's partial
+      # evaluation stages a cond and a custom_vjp_call as equations.
+      k = jax.lax.cond(w.sum() > 0, jnp.sin, soft_clip, w)
+      e = exp3_optimize_remat(w) + scaled_sin(c, w) * 0.0
+      return c * k * x + e, jax.lax.stop_gradient(scaled_sin(w, c))
+
+    return jax.lax.scan(body, jnp.ones_like(w), xs)[0]
+
   def nested_scan(w, xs):
     def outer(c, x):
       def inner(d, y):
@@ -305,7 +315,7 @@ def _loop_programs() -> dict[str, Program]:
 
   def scan_forwarding_cond(w, xs):
     # The cond returns its operand: the carry is loop-invariant, and the
-    # cond is hoisted (the cond_partial_eval entry).
+    # cond is hoisted (the partial_eval_kept_calls entry watches it).
     def body(c, x):
       c, k = jax.lax.cond(
           c[0] > 0, lambda v: (v, jnp.sin(v)), lambda v: (v, jnp.cos(v)), c
@@ -400,6 +410,23 @@ def _loop_programs() -> dict[str, Program]:
           )[1](w),
           (w3, xs43),
           ('scan', 'custom_jvp_call', 'custom_vjp_call'),
+      ),
+      'scan_calls_invariant_grad': (
+          _grad(scan_calls_invariant),
+          (w3, xs43),
+          ('scan', 'cond', 'custom_vjp_call'),
+      ),
+      'scan_calls_invariant_checkpoint_grad': (
+          _grad(ckpt(scan_calls_invariant)),
+          (w3, xs43),
+          ('scan', 'cond', 'remat2'),
+      ),
+      'scan_calls_invariant_linearize': (
+          lambda w, xs: jax.linearize(lambda w: scan_calls_invariant(w, xs), w)[
+              1
+          ](w),
+          (w3, xs43),
+          ('scan', 'cond'),
       ),
       'nested_scan_grad': (_grad(nested_scan), (w3, xs43), ('scan',)),
       'scan_checkpoint_grad': (

@@ -235,6 +235,292 @@ class CustomRuleSkipsPrimalTest(parameterized.TestCase):
 
 
 # ----------------------------------------------------------------------------
+# custom calls in loops, under differentiation: a call evaluated only for its
+# sows (its outputs unused), and a call on loop-invariant values
+
+
+def assert_collected(test, collected, expected):
+  """``collected`` has exactly ``expected``'s names, in order, and values
+  (same number of entries, shapes and values)."""
+  test.assertEqual(list(collected), list(expected))
+  for name, value in expected.items():
+    got = collected[name]
+    if isinstance(value, tuple):
+      test.assertIsInstance(got, tuple, msg=repr(name))
+      test.assertLen(got, len(value), msg=repr(name))
+    else:
+      got, value = (got,), (value,)
+    for a, e in zip(got, value):
+      test.assertEqual(np.shape(a), np.shape(e), msg=repr(name))
+      np.testing.assert_allclose(a, e, rtol=1e-6, atol=1e-6)
+
+
+def zero_total():
+  return jnp.float32(0.0)
+
+
+def _sowing(name):
+  return lambda v: sow(v, name=name)
+
+
+def _plain(name):
+  del name
+  return lambda v: v
+
+
+def _inner_call(kind, mark):
+  """``2 x`` with a sow of it, as a custom call whose rule calls it."""
+  if kind == 'vjp':
+
+    @jax.custom_vjp
+    def inner(x):
+      return mark('c')(x * 2.0)
+
+    inner.defvjp(lambda x: (inner(x), None), lambda _, g: (2.0 * g,))
+  elif kind == 'vjp_remat':
+
+    @jax.custom_vjp
+    def inner(x):
+      return mark('c')(x * 2.0)
+
+    inner.defvjp(
+        lambda x: (inner(x), None),
+        lambda _, g: (2.0 * g,),
+        optimize_remat=True,
+    )
+  else:
+
+    @jax.custom_jvp
+    def inner(x):
+      return mark('c')(x * 2.0)
+
+    inner.defjvp(lambda p, t: (inner(p[0]), 2.0 * t[0]))
+  return inner
+
+
+def _outer_call(kind, inner):
+  """``2 x + 1`` through ``inner``, as a custom call whose rule does not
+  call it (``'none'``: no custom call, ``inner``'s result unused)."""
+  if kind == 'jvp':
+
+    @jax.custom_jvp
+    def outer(x):
+      return inner(x) + 1.0
+
+    outer.defjvp(lambda p, t: (p[0] * 2.0 + 1.0, 2.0 * t[0]))
+  elif kind == 'vjp':
+
+    @jax.custom_vjp
+    def outer(x):
+      return inner(x) + 1.0
+
+    outer.defvjp(lambda x: (x * 2.0 + 1.0, None), lambda _, g: (2.0 * g,))
+  elif kind == 'jvp_jvp':
+    # A rule that does not call its primal around another one.
+    middle = _outer_call('jvp', inner)
+
+    @jax.custom_jvp
+    def outer(x):
+      return middle(x)
+
+    outer.defjvp(lambda p, t: (p[0] * 2.0 + 1.0, 2.0 * t[0]))
+  else:
+
+    def outer(x):
+      inner(x)  # for its sow only
+      return x * 2.0 + 1.0
+
+  return outer
+
+
+STEPS = 3
+
+
+def _stepped(x, steps=STEPS):
+  """The carries ``c_k`` of ``c -> 2 c + 1`` from ``x``, stacked."""
+  cs = [np.asarray(x, np.float32)]
+  for _ in range(steps - 1):
+    cs.append(2.0 * cs[-1] + 1.0)
+  return np.stack(cs)
+
+
+def _loop(loop, step):
+  if loop == 'scan':
+    return lambda x: jax.lax.scan(
+        lambda c, _: (step(c), None), x, None, length=STEPS
+    )[0]
+
+  # nested: STEPS outer iterations of one inner iteration each.
+  def outer_body(c, _):
+    return jax.lax.scan(lambda d, _: (step(d), None), c, None, length=1)[0]
+
+  return lambda x: jax.lax.scan(
+      lambda c, _: (outer_body(c, None), None), x, None, length=STEPS
+  )[0]
+
+
+def _transformed(transform, f):
+  loss = lambda x: jnp.sum(f(x) * 3.0)
+  return {
+      'grad': jax.grad(loss),
+      'jit_grad': jax.jit(jax.grad(loss)),
+      'value_and_grad': lambda x: jax.value_and_grad(loss)(x)[1],
+      'linearize': lambda x: jax.linearize(loss, x)[1](x),
+      'grad_of_checkpoint': jax.grad(jax.checkpoint(loss)),
+      'grad_of_checkpoint_dots': jax.grad(
+          jax.checkpoint(loss, policy=jax.checkpoint_policies.dots_saveable)
+      ),
+  }[transform]
+
+
+TRANSFORMS = (
+    'grad',
+    'jit_grad',
+    'value_and_grad',
+    'linearize',
+    'grad_of_checkpoint',
+    'grad_of_checkpoint_dots',
+)
+
+
+FEW_TRANSFORMS = ('grad', 'linearize', 'grad_of_checkpoint')
+
+
+class CustomCallsInLoopsTest(parameterized.TestCase):
+  """A sow in a custom call inside a scan is collected under
+  differentiation once per iteration: also when the call runs only for its
+  sows (inside a rule that does not call the primal, or with its result
+  unused), and when its inputs do not change in the loop."""
+
+  @parameterized.parameters(
+      (outer, inner, transform)
+      for outer in ('jvp', 'vjp', 'jvp_jvp', 'none')
+      for inner in ('vjp', 'jvp', 'vjp_remat')
+      for transform in (TRANSFORMS if inner == 'vjp' else FEW_TRANSFORMS)
+      # JAX has no forward mode (linearize) for custom_vjp.
+      if not (transform == 'linearize' and 'vjp' in (outer, inner[:3]))
+  )
+  def test_call_run_for_its_sows(self, outer, inner, transform):
+    def build(mark):
+      return _loop('scan', _outer_call(outer, _inner_call(inner, mark)))
+
+    g = _transformed(transform, build(_sowing))
+    out, collected = capture(g)(X)
+    assert_collected(self, collected, {'c': (2.0 * _stepped(X),)})
+    # d/dx sum(3 c_STEPS), c_STEPS = 2^STEPS x + 2^STEPS - 1.
+    expected = np.full_like(X, 3.0 * 2.0**STEPS)
+    if transform == 'linearize':
+      expected = np.sum(expected * X)
+    np.testing.assert_allclose(out, expected, rtol=1e-6)
+    np.testing.assert_allclose(
+        out, _transformed(transform, build(_plain))(X), rtol=1e-6
+    )
+
+  @parameterized.parameters(
+      (outer, inner, transform)
+      for outer, inner in (('jvp', 'vjp'), ('vjp', 'vjp'), ('none', 'vjp'))
+      for transform in ('grad', 'jit_grad', 'linearize')
+      if not (transform == 'linearize' and 'vjp' == outer)
+  )
+  def test_nested_scans(self, outer, inner, transform):
+    f = _loop('nested', _outer_call(outer, _inner_call(inner, _sowing)))
+    out, collected = capture(_transformed(transform, f))(X)
+    # (outer iteration, inner iteration, ...)
+    assert_collected(self, collected, {'c': (2.0 * _stepped(X)[:, None],)})
+    expected = np.full_like(X, 3.0 * 2.0**STEPS)
+    if transform == 'linearize':
+      expected = np.sum(expected * X)
+    np.testing.assert_allclose(out, expected, rtol=1e-6)
+
+  def test_while_loop_reduced(self):
+    # A reduced sow in a custom_vjp inside a rule that does not call the
+    # primal, in a while_loop, under forward-mode differentiation.
+    @jax.custom_vjp
+    def inner(x):
+      sow(jnp.sum(x * 2.0), name='total', reduce_fn=add, init_fn=zero_total)
+      return x * 2.0
+
+    inner.defvjp(lambda x: (inner(x), None), lambda _, g: (2.0 * g,))
+    outer = _outer_call('jvp', inner)
+
+    def f(x):
+      return jax.lax.while_loop(
+          lambda c: c[0] < STEPS, lambda c: (c[0] + 1, outer(c[1])), (0, x)
+      )[1]
+
+    cs = _stepped(X)
+    for g in (
+        lambda x: jax.linearize(f, x)[1](x),
+        lambda x: jax.jvp(f, (x,), (x,))[1],
+    ):
+      out, collected = capture(g)(X)
+      assert_collected(self, collected, {'total': np.sum(2.0 * cs)})
+      np.testing.assert_allclose(out, 2.0**STEPS * X, rtol=1e-6)
+
+  @parameterized.parameters(
+      (call, transform)
+      for call in ('vjp', 'jvp', 'vjp_remat', 'cond', 'jvp_in_jit')
+      for transform in (TRANSFORMS if call == 'vjp' else FEW_TRANSFORMS)
+      if not (transform == 'linearize' and call.startswith('vjp'))
+  )
+  def test_loop_invariant_call(self, call, transform):
+    # The call reads only a value the loop does not change: JAX computes it
+    # once, outside the loop; its sow still gives one value per iteration.
+    def build(mark):
+      if call == 'cond':
+        inner = lambda w: jax.lax.cond(
+            jnp.sum(w) > 0,
+            lambda v: mark('c')(v * 2.0),
+            lambda v: mark('c')(v * 2.0),
+            w,
+        )
+      elif call == 'jvp_in_jit':
+        inner = jax.jit(_inner_call('jvp', mark))
+      else:
+        inner = _inner_call(call, mark)
+
+      def f(x):
+        w = x * 5.0
+        return jax.lax.scan(
+            lambda c, _: (c * 2.0 + inner(w), None), x, None, length=STEPS
+        )[0]
+
+      return f
+
+    out, collected = capture(_transformed(transform, build(_sowing)))(X)
+    assert_collected(self, collected, {'c': (np.stack([10.0 * X] * STEPS),)})
+    # c_STEPS = 8 x + (4 + 2 + 1) 10 x
+    expected = np.full_like(X, 3.0 * (8.0 + 70.0))
+    if transform == 'linearize':
+      expected = np.sum(expected * X)
+    np.testing.assert_allclose(out, expected, rtol=1e-5)
+
+  def test_loop_invariant_call_second_order(self):
+    # The custom rule of a loop-invariant call still gives the derivatives
+    # of the differentiated program (d/dw of the rule's 5 w t is 5).
+    def build(mark):
+      @jax.custom_jvp
+      def g(w):
+        return jnp.sin(mark('c')(w))
+
+      g.defjvp(lambda p, t: (g(p[0]), 5.0 * p[0] * t[0]))
+
+      def f(x):
+        return jax.lax.scan(
+            lambda c, _: (c * 0.5 + g(x), None), x, None, length=STEPS
+        )[0]
+
+      return f
+
+    x = np.float32(0.7)
+    out, collected = capture(jax.grad(jax.grad(build(_sowing))))(x)
+    assert_collected(self, collected, {'c': (np.full(STEPS, x),)})
+    # f(x) = x / 8 + (1 + 1/2 + 1/4) g(x); g'' = 5 by the rule.
+    np.testing.assert_allclose(out, 1.75 * 5.0, rtol=1e-5)
+    np.testing.assert_allclose(out, jax.grad(jax.grad(build(_plain)))(x))
+
+
+# ----------------------------------------------------------------------------
 # linearized functions applied several times
 
 

@@ -431,6 +431,65 @@ def edit_jaxpr(
   )
 
 
+def is_partial_eval(trace) -> bool:
+  """Whether ``trace`` is the ``JaxprTrace`` of JAX's partial evaluation
+  (splitting a program into what runs now and what is staged)."""
+  return isinstance(trace, pe.JaxprTrace)
+
+
+def is_known(trace, x) -> bool:
+  """Whether ``x`` is a known value under the partial evaluation ``trace``."""
+  return trace.to_jaxpr_tracer(x).is_known()
+
+
+def stage_as_unknown(trace, closed: ClosedJaxpr, args) -> list[tp.Any]:
+  """``closed``'s equations staged, as they are, into the partial evaluation
+  ``trace`` on ``args``: all unknown (none runs now), each effectful one kept
+  whether or not its outputs are used, as ``JaxprTrace`` keeps a primitive's.
+  """
+  env: dict[Var, tp.Any] = {}
+
+  def unknown(x):
+    return trace.instantiate_const(trace.to_jaxpr_tracer(x))
+
+  def read(v):
+    if isinstance(v, core.Literal):
+      return trace.new_instantiated_literal(v.val)
+    return env[v]
+
+  env.update(zip(closed.jaxpr.constvars, map(unknown, closed.consts)))
+  env.update(zip(closed.jaxpr.invars, map(unknown, args)))
+  for eqn in closed.jaxpr.eqns:
+    ins = [read(v) for v in eqn.invars]
+    outs = [
+        pe.JaxprTracer(trace, pe.PartialVal.unknown(v.aval), None)
+        for v in eqn.outvars
+    ]
+    recipe = pe.new_eqn_recipe(
+        trace,
+        ins,
+        outs,
+        eqn.primitive,
+        eqn.params,
+        eqn.effects,
+        eqn.source_info,
+        eqn.ctx,
+    )
+    for t in outs:
+      t.recipe = recipe
+    if effects.partial_eval_kept_effects.filter_in(eqn.effects):
+      trace.effect_handles.append(pe.EffectHandle(ins, recipe))
+    env.update(zip(eqn.outvars, outs))
+  return [read(v) for v in closed.jaxpr.outvars]
+
+
+def keep_if_sowing(trace, in_tracers, recipe, effect) -> None:
+  """Keeps the partial evaluation ``trace``'s staged ``recipe`` whether or
+  not its outputs are used, if it carries ``effect``."""
+  if effect in recipe.effects:
+    trace.effect_handles.append(pe.EffectHandle(list(in_tracers), recipe))
+
+
 def is_differentiating(trace) -> bool:
   """Whether ``trace`` is a forward-mode or linearizing trace of JAX's AD."""
   return isinstance(trace, (ad.JVPTrace, ad.LinearizeTrace))

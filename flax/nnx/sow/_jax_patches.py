@@ -82,6 +82,28 @@ def _wrap_rule(registry: dict, primitive):
   return apply
 
 
+def _new_rule(registry: dict, primitive):
+  """``registry[primitive]``, which JAX leaves unset (it then uses a default
+  that ``wrapper`` is given as its first argument), becomes
+  ``wrapper(default, *args)``."""
+
+  def apply(wrapper):
+    if _is_marked(registry.get(primitive)):
+      return
+    if primitive in registry:
+      raise RuntimeError(
+          f'JAX now has a rule for {primitive} in this registry; wrap it'
+          ' with _wrap_rule instead.'
+      )
+
+    def rule(trace, *args, **kwargs):
+      return wrapper(trace.default_process_primitive, trace, *args, **kwargs)
+
+    registry[primitive] = _marked(rule)
+
+  return apply
+
+
 def _stacked_rule(registry: dict, primitive, flag: str):
   """:func:`_wrap_rule` for a second wrapper on the same rule (``flag``
   keeps it idempotent)."""
@@ -264,6 +286,27 @@ INVENTORY: tuple[Patch, ...] = (
         _wrap_attribute(_jax.pe, 'partial_eval_jaxpr_nounits'),
     ),
     Patch(
+        'partial_eval_kept_calls',
+        'pe.new_eqn_recipe',
+        'constructs/scan.py',
+        "JAX's partial evaluation keeps an effectful primitive whose outputs"
+        ' are unused, but not a call, custom_vjp_call or cond that holds one;'
+        ' in the part of a loop that stays in the loop, a sow is kept.',
+        'JaxprTrace rules that keep every equation with an effect in'
+        ' partial_eval_kept_effects (as pjit and scan do).',
+        _wrap_attribute(_jax.pe, 'new_eqn_recipe'),
+    ),
+    Patch(
+        'remat_opt_partial_eval',
+        'pe.custom_partial_eval_rules[remat_opt_p] (unset in JAX)',
+        'constructs/custom.py',
+        "Under checkpoint, scan's hoisting computes a remat_opt (the fwd of a"
+        ' custom_vjp(optimize_remat=True)) on loop-invariant values once,'
+        ' outside the loop; one whose forward pass sows stays in the loop.',
+        'As for scan_hoisting.',
+        _new_rule(_jax.custom_partial_eval_rules, _jax.remat_opt_p),
+    ),
+    Patch(
         'scan_remat_rule',
         'pe.partial_eval_jaxpr_custom_rules[scan_p]',
         'constructs/scan.py',
@@ -289,18 +332,6 @@ INVENTORY: tuple[Patch, ...] = (
         ' function is applied.',
         'As for while_remat_rule.',
         _wrap_rule(_jax.custom_partial_eval_rules, _jax.while_p),
-    ),
-    Patch(
-        'cond_partial_eval',
-        'pe.custom_partial_eval_rules[cond_p]',
-        'constructs/cond.py',
-        'JAX stages the unknown part of a cond whose outputs are all known as'
-        ' an equation no output reaches and drops it, effects included: the'
-        " sows scan's hoisting keeps in the loop would be lost.",
-        'Keeping effectful staged equations in partial evaluation (as'
-        ' default_process_primitive does with effect handles) in the cond'
-        ' rule.',
-        _wrap_rule(_jax.custom_partial_eval_rules, _jax.cond_p),
     ),
     Patch(
         'scan_batching',

@@ -70,9 +70,6 @@ from flax.nnx.sow.sites import accepts
 from flax.nnx.sow.sites import construct_names
 from flax.nnx.sow.sites import site_annotations
 from flax.nnx.sow.sites import sow_sites
-from flax.nnx.sow.sites import without_staged_sows
-from flax.nnx.sow.sites import holds_staged_sow
-from flax.nnx.sow.constructs.scan import hoisting
 
 # ----------------------------------------------------------------------------
 # cond / switch
@@ -309,56 +306,6 @@ def _cond_intervene(injector, eqn, invals):
 
 
 intervene_rules[_jax.cond_p] = _cond_intervene
-
-
-# ----------------------------------------------------------------------------
-# cond in a loop body under scan's hoisting (grad, linearize).
-#
-# While scan's partial evaluation hoists loop-invariant work, a staged sow
-# counts as loop-dependent: it stays in the loop (``scan.py``). In a ``cond``
-# whose outputs are all known, JAX's partial-evaluation rule would stage the
-# branches' unknown part, sows included, as an equation no output reaches, and
-# drop it (it is not kept for its effects). So the known ``cond`` runs without
-# its sows, and a ``cond`` that only sows is staged beside it.
-
-
-def _cond_partial_eval(jax_rule, trace, *tracers, branches, **params):
-  index_known = tracers[0].pval.is_known()
-  if not (index_known and hoisting() and any(map(_holds_sow, branches))):
-    return jax_rule(trace, *tracers, branches=branches, **params)
-  ops_unknown = [not t.pval.is_known() for t in tracers[1:]]
-  if any(
-      any(_jax.partial_eval_jaxpr_nounits(b, ops_unknown, False)[2])
-      for b in branches
-  ):
-    # JAX stages an equation some output reaches, with the sows in it.
-    return jax_rule(trace, *tracers, branches=branches, **params)
-  outs = jax_rule(
-      trace,
-      *tracers,
-      branches=tuple(without_staged_sows(b) for b in branches),
-      **params,
-  )
-  sows_only = tuple(
-      _jax.ClosedJaxpr(
-          _jax.dce_jaxpr(b.jaxpr, [False] * len(b.out_avals), True)[0],
-          b.consts,
-      )
-      for b in branches
-  )
-  trace.default_process_primitive(
-      _jax.cond_p,
-      [trace.instantiate_const(t) for t in tracers],
-      dict(params, branches=sows_only),
-  )
-  return outs
-
-
-def _holds_sow(closed: _jax.ClosedJaxpr) -> bool:
-  return holds_staged_sow(closed.jaxpr)
-
-
-_jax_patches.register('cond_partial_eval', _cond_partial_eval)
 
 
 def _check_no_enclosing_capture(branches) -> None:

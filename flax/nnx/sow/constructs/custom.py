@@ -28,6 +28,10 @@ What a sow inside does:
   sows are collected by evaluating the body once on the primal values, the
   names the rule sows come from the rule (``custom_jvp_bind`` and
   ``custom_vjp_bind`` in the patch inventory). Elsewhere JAX's own path.
+* In a loop body under differentiation, where scan's partial evaluation
+  moves loop-invariant work out of the loop: a custom call (or
+  ``remat_opt``) on loop-invariant values whose body sows stays in the loop,
+  rule included, so its sows still give one value per iteration.
 * ``custom_vjp(optimize_remat=True)`` (``remat_opt``): the forward rule's
   primal outputs carry the sows. A forward rule that skips the primal under
   AD raises ``NotImplementedError`` naming the sow.
@@ -47,12 +51,14 @@ from flax.nnx.sow.collect import collect_rules
 from flax.nnx.sow.collect import eval_collecting
 from flax.nnx.sow.collect import is_array
 from flax.nnx.sow.constructs.adapter import hoisted
+from flax.nnx.sow.constructs.scan import hoisting_loop_invariants
 from flax.nnx.sow.inject import Injector
 from flax.nnx.sow.inject import eval_intervening
 from flax.nnx.sow.inject import intervene_rules
 from flax.nnx.sow.inject import one_body
 from flax.nnx.sow.primitive import staging_active
 from flax.nnx.sow.sites import construct_names
+from flax.nnx.sow.sites import holds_staged_sow
 from flax.nnx.sow.sites import sow_sites
 from flax.nnx.sow.sites import without_staged_sows
 from flax.nnx.sow.sites import without_value_sows_named
@@ -363,6 +369,24 @@ def _remat_opt_intervene(injector, eqn, invals):
   return bind_remat_opt(new, [*consts, *invals, *reps], eqn.params['num_res'])
 
 
+def _remat_opt_partial_eval(default, trace, *tracers, **params):
+  # JAX's partial evaluation computes a remat_opt with known inputs now; in
+  # scan's loop-invariant hoisting (under ``checkpoint``) that is outside
+  # the loop, where its sows would give one value for the whole loop. One
+  # whose forward pass holds a staged sow is staged in the loop instead.
+  if (
+      staging_active()
+      and hoisting_loop_invariants()
+      and all(t.pval.is_known() for t in tracers)
+      and holds_staged_sow(params['fwd_jaxpr'].jaxpr)
+  ):
+    tracers = [trace.instantiate_const(t) for t in tracers]
+  return default(_jax.remat_opt_p, tracers, params)
+
+
+_jax_patches.register('remat_opt_partial_eval', _remat_opt_partial_eval)
+
+
 collect_rules[_jax.remat_opt_p] = _remat_opt_capture
 
 
@@ -659,13 +683,58 @@ def _differentiated_custom_call(
   return original(trace, args, avals, params)
 
 
+# ----------------------------------------------------------------------------
+# A custom call with loop-invariant inputs while scan's partial evaluation
+# (under ``grad``, ``linearize``, ``checkpoint``) moves loop-invariant work
+# out of the loop (``constructs/scan.py``): JAX's ``JaxprTrace`` binds a call
+# whose inputs are all known where the known part runs, outside the loop, so
+# the sows of its body would give one value for the whole loop, not one per
+# iteration. While a capture stages, such a call whose body holds a staged
+# sow is staged as it is, rule included, into the part that stays in the
+# loop, and kept there by its effect (as a loop-invariant sow is). A call
+# that reads the carry or ``xs`` stays in the loop already (scan.py keeps it
+# when its outputs are unused).
+
+
+def _hoisted_custom_call(primitive, original, trace, args, avals, params, /):
+  del primitive
+  if not all(_jax.is_known(trace, x) for x in args):
+    return original(trace, args, avals, params)
+  fun = params['subfuns'][0]
+  in_avals = [_jax.typeof(trace.to_jaxpr_tracer(x)) for x in args]
+
+  def call(*xs):
+    return original(_jax.trace_ctx.trace, xs, avals, params)
+
+  # The call as a staged program holds it (its body and its rule); the
+  # auxiliary outputs of ``fun`` that tracing writes are those its caller
+  # reads.
+  closed = _jax.trace_to_closed_jaxpr(call, in_avals, 'custom_call')
+  if not holds_staged_sow(closed.jaxpr):
+    _jax.reset_stores(fun)  # JAX's path calls it again
+    return original(trace, args, avals, params)
+  return _jax.stage_as_unknown(trace, closed, args)
+
+
+def _custom_call_bind(primitive, original, trace, args, avals, params, /):
+  if (
+      staging_active()
+      and hoisting_loop_invariants()
+      and _jax.is_partial_eval(trace)
+  ):
+    return _hoisted_custom_call(primitive, original, trace, args, avals, params)
+  return _differentiated_custom_call(
+      primitive, original, trace, args, avals, params
+  )
+
+
 _jax_patches.register(
     'custom_jvp_bind',
-    functools.partial(_differentiated_custom_call, _jax.custom_jvp_call_p),
+    functools.partial(_custom_call_bind, _jax.custom_jvp_call_p),
 )
 
 
 _jax_patches.register(
     'custom_vjp_bind',
-    functools.partial(_differentiated_custom_call, _jax.custom_vjp_call_p),
+    functools.partial(_custom_call_bind, _jax.custom_vjp_call_p),
 )

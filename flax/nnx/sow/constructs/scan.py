@@ -30,7 +30,10 @@ What a sow inside does:
   loop. While it does, a staged sow counts as loop-dependent: it stays in
   the loop with its (hoisted) operands, so it still runs once per iteration
   at any depth (a ``jit``, a ``custom_jvp`` or a ``cond`` in the body), while
-  its consumers read the operands, so invariant work is still hoisted.
+  its consumers read the operands, so invariant work is still hoisted. An
+  equation that holds a staged sow (a call, ``custom_vjp_call``, ``cond``
+  staged in the loop) is kept there also when its outputs are unused,
+  as JAX keeps an effectful primitive but not such a call.
 * Inside ``shard_map``: its rule of ``control.py``'s pass says how a carry
   that varies over mesh axes makes the outputs vary.
 """
@@ -55,6 +58,7 @@ from flax.nnx.sow.control import control_rules
 from flax.nnx.sow.inject import intervene_rules
 from flax.nnx.sow.inject import one_body
 from flax.nnx.sow.primitive import intervening
+from flax.nnx.sow.primitive import sow_effect
 from flax.nnx.sow.primitive import sow_p
 from flax.nnx.sow.primitive import staging_captures
 from flax.nnx.sow.sites import PLAIN_SOWS
@@ -198,9 +202,11 @@ class _Hoisting(threading.local):
 _HOISTING = _Hoisting()
 
 
-def hoisting() -> bool:
-  """Whether scan's loop-invariant hoisting is running (staged sows count as
-  loop-dependent, see :func:`_sow_partial_eval`)."""
+def hoisting_loop_invariants() -> bool:
+  """Whether scan's partial evaluation is moving loop-invariant work out of
+  a loop now: what a partial evaluation finds known is then computed once,
+  outside the loop (``constructs/custom.py`` keeps a custom call whose body
+  sows in the loop, as :func:`_sow_partial_eval` keeps a sow)."""
   return bool(_HOISTING.depth)
 
 
@@ -272,10 +278,23 @@ def _sow_partial_eval_custom(rule, saveable, unks_in, inst_in, eqn):
   return rule(saveable, unks_in, inst_in, eqn)
 
 
+def _kept_in_loop(
+    new_eqn_recipe, trace, in_tracers, out_tracers, *args, **kwargs
+):
+  # What JAX's partial evaluation stages while it hoists: a call (a
+  # ``closed_call``, ``custom_vjp_call``, ``cond``) that holds a staged sow
+  # stays in the loop also when its outputs are unused, as a sow does.
+  recipe = new_eqn_recipe(trace, in_tracers, out_tracers, *args, **kwargs)
+  if _HOISTING.depth and recipe.primitive is not sow_p:
+    _jax.keep_if_sowing(trace, in_tracers, recipe, sow_effect)
+  return recipe
+
+
 _jax.custom_partial_eval_rules[sow_p] = _sow_partial_eval
 _jax_patches.register('scan_hoisting', _keeping_sows_in_loops)
 _jax_patches.register('scan_remat_rule', _in_scan_remat_rule)
 _jax_patches.register('partial_eval_nounits', _partial_eval_nounits)
+_jax_patches.register('partial_eval_kept_calls', _kept_in_loop)
 _jax.wrap_rule(
     _jax.partial_eval_jaxpr_custom_rules, sow_p, _sow_partial_eval_custom
 )

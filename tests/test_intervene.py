@@ -1010,6 +1010,304 @@ class CaptureCompositionTest(absltest.TestCase):
 
 
 # ----------------------------------------------------------------------------
+# A capture around intervene, with jax.vmap inside f: the layouts of capture
+# on the function with the replacement written by hand.
+
+_BX = np.array([0.5, -1.0, 1.5], np.float32)  # (3,) examples of a vmap
+_STEPS = 2  # != len(_BX): a transposed layout changes the shape
+_FN = lambda v: v * 0.5 - 1.0  # noqa: E731
+_FN2 = lambda v: v * v + 2.0  # noqa: E731
+
+
+def _add(acc, v):
+  return acc + v
+
+
+def _zero():
+  return jnp.zeros((), jnp.float32)
+
+
+def _vmapped_loop(loop):
+  """``sow(xs)``, then under ``jax.vmap`` a loop of ``_STEPS`` iterations
+  whose carry is sown plain (``'c'``) and reduced (``'r'``)."""
+
+  def step(c):
+    h = sow(c * 2.0 + 0.25, name='c')
+    sow(h, name='r', reduce_fn=_add, init_fn=_zero)
+    return jnp.sin(h)
+
+  def one(x):
+    if loop == 'scan':
+      return jax.lax.scan(lambda c, _: (step(c), None), x, None, _STEPS)[0]
+    return jax.lax.fori_loop(0, _STEPS, lambda i, c: step(c), x)
+
+  def f(xs):
+    sow(xs, name='top')
+    return jax.vmap(one)(xs)
+
+  return f
+
+
+def _vmapped_loop_by_hand(xs, fn):
+  """NumPy: the loop with ``h = fn(c * 2 + 0.25)``, per example."""
+  outs, hs, total = [], [], np.float32(0.0)
+  for x in xs:
+    c, row = x, []
+    for _ in range(_STEPS):
+      h = fn(c * 2.0 + 0.25)
+      row.append(h)
+      total = total + h
+      c = np.sin(h)
+    outs.append(c)
+    hs.append(row)
+  # capture's layout for a loop under vmap: (batch, steps).
+  return np.stack(outs), np.asarray(hs, np.float32), total
+
+
+def _vmapped_cond(xs):
+  def one(x):
+    return jax.lax.cond(
+        x.sum() > 0,
+        lambda x: sow(x * 2.0, name='k')
+        + sow(x.sum(), name='m', reduce_fn=_add, init_fn=_zero),
+        lambda x: sow(x * 3.0, name='k') - 1.0,
+        x,
+    )
+
+  return jax.vmap(one)(xs)
+
+
+_CX = np.array([[1.0, 2.0], [-1.0, -2.0], [0.5, -0.25]], np.float32)
+
+
+def _vmapped_cond_by_hand(xs, fn):
+  outs, ks, m = [], [], np.float32(0.0)
+  for x in xs:
+    if x.sum() > 0:
+      k = fn(x * 2.0)
+      outs.append(k + x.sum())
+      m = m + x.sum()
+    else:
+      k = fn(x * 3.0)
+      outs.append(k - 1.0)
+    ks.append(k)
+  return np.stack(outs), np.stack(ks), m
+
+
+class CaptureOfInterveneUnderVmapTest(parameterized.TestCase):
+  """A sow in a construct that ``jax.vmap`` batches inside the intervened
+  function: intervene keeps it in place, and the capture around still gets
+  it with the mapped axis first (only the branch taken, for a ``cond``)."""
+
+  def _check(self, got, expected_out, expected):
+    out, collected = got
+    assert_close(out, expected_out)
+    self.assertEqual(list(collected), list(expected))
+    for name, value in expected.items():
+      if isinstance(value, tuple):
+        self.assertLen(collected[name], len(value))
+        for a, e in zip(collected[name], value):
+          self.assertEqual(np.shape(a), np.shape(e), name)
+      assert_close(collected[name], value)
+
+  @parameterized.parameters('scan', 'fori_loop')
+  def test_loop_replaced(self, loop):
+    f = _vmapped_loop(loop)
+    out, hs, total = _vmapped_loop_by_hand(_BX, _FN)
+    self.assertEqual(hs.shape, (3, _STEPS))
+    expected = {'top': (_BX,), 'c': (hs,), 'r': total}
+    for g in (
+        capture(intervene(f, {'c': _FN})),
+        intervene(capture(f), {'c': _FN}),
+        jax.jit(capture(intervene(f, {'c': _FN}))),
+    ):
+      self._check(g(_BX), out, expected)
+
+  @parameterized.parameters('scan', 'fori_loop')
+  def test_loop_not_replaced(self, loop):
+    f = _vmapped_loop(loop)
+    out, hs, total = _vmapped_loop_by_hand(_BX, lambda v: v)
+    expected = {'top': (_BX,), 'c': (hs,), 'r': total}
+    for g in (
+        capture(intervene(f, {})),
+        capture(intervene(f, {'top': lambda v: v})),
+        intervene(capture(f), {'top': lambda v: v}),
+        jax.jit(capture(intervene(f, {'top': lambda v: v}))),
+    ):
+      self._check(g(_BX), out, expected)
+
+  def test_loop_in_two_intervenes(self):
+    # The inner intervene replaces first, the outer one replaces its result.
+    f = _vmapped_loop('scan')
+    out, hs, total = _vmapped_loop_by_hand(_BX, lambda v: _FN2(_FN(v)))
+    g = capture(intervene(intervene(f, {'c': _FN}), {'c': _FN2}))
+    self._check(g(_BX), out, {'top': (_BX,), 'c': (hs,), 'r': total})
+
+  def test_nested_vmapped_loops(self):
+    # vmap(scan(vmap(scan))): (batch, steps, batch, steps).
+    def f(xss):
+      def outer(xs):
+        def s1(c, _):
+          inner = jax.vmap(
+              lambda x: jax.lax.scan(
+                  lambda d, _: (jnp.cos(sow(d * 2.0 + c, name='c')), None),
+                  x,
+                  None,
+                  2,
+              )[0]
+          )(xs)
+          return c + inner.sum(), None
+
+        return jax.lax.scan(s1, jnp.float32(0.0), None, 4)[0]
+
+      return jax.vmap(outer)(xss)
+
+    xss = np.arange(6.0, dtype=np.float32).reshape(2, 3) / 4.0
+    outs, hs = [], np.zeros((2, 4, 3, 2), np.float32)
+    for b1, xs in enumerate(xss):
+      c = np.float32(0.0)
+      for s1 in range(4):
+        total = np.float32(0.0)
+        for b2, x in enumerate(xs):
+          d = x
+          for s2 in range(2):
+            h = _FN(d * 2.0 + c)
+            hs[b1, s1, b2, s2] = h
+            d = np.cos(h)
+          total = total + d
+        c = c + total
+      outs.append(c)
+    for g in (
+        capture(intervene(f, {'c': _FN})),
+        intervene(capture(f), {'c': _FN}),
+    ):
+      self._check(g(xss), np.stack(outs), {'c': (hs,)})
+
+  def test_cond_in_a_vmapped_loop(self):
+    # The predicate depends on the carry, so vmap batches the cond too.
+    def f(xs):
+      def step(c, _):
+        c = jax.lax.cond(
+            c > 0,
+            lambda c: sow(c - 1.0, name='k'),
+            lambda c: sow(c * -2.0, name='k'),
+            c,
+        )
+        return c, None
+
+      return jax.vmap(lambda x: jax.lax.scan(step, x, None, 3)[0])(xs)
+
+    outs, ks = [], []
+    for x in _BX:
+      c, row = x, []
+      for _ in range(3):
+        c = _FN(c - 1.0) if c > 0 else _FN(c * -2.0)
+        row.append(c)
+      outs.append(c)
+      ks.append(row)
+    ks = np.asarray(ks, np.float32)  # (batch, steps)
+    self.assertEqual(ks.shape, (3, 3))
+    for g in (
+        capture(intervene(f, {'k': _FN})),
+        intervene(capture(f), {'k': _FN}),
+    ):
+      self._check(g(_BX), np.stack(outs), {'k': (ks,)})
+
+  def test_cond_on_a_batched_predicate(self):
+    for values, fn in (({'k': _FN}, _FN), ({}, lambda v: v)):
+      out, ks, m = _vmapped_cond_by_hand(_CX, fn)
+      expected = {'k': (ks,), 'm': m}
+      for g in (
+          capture(intervene(_vmapped_cond, values)),
+          intervene(capture(_vmapped_cond), values),
+          jax.jit(capture(intervene(_vmapped_cond, values))),
+      ):
+        self._check(g(_CX), out, expected)
+
+  def test_cond_on_a_batched_predicate_plain_only(self):
+    # (Was a NotImplementedError.) By hand: the taken branch's value plus 1.
+    def f(x):
+      return jax.lax.cond(
+          x.sum() > 0,
+          lambda x: sow(x * 2.0, name='k'),
+          lambda x: sow(x * 3.0, name='k'),
+          x,
+      )
+
+    xs = jnp.array([[1.0, 2.0], [-1.0, -2.0]])
+    expected = np.array([[3.0, 5.0], [-2.0, -5.0]], np.float32)
+    g = intervene(jax.vmap(f), {'k': lambda v: v + 1.0})
+    self._check(capture(g)(xs), expected, {'k': (expected,)})
+    assert_close(g(xs), expected)
+    out, collected = jax.vmap(capture(intervene(f, {'k': lambda v: v + 1.0})))(
+        xs
+    )
+    assert_close(out, expected)
+    assert_close(collected['k'], (expected,))
+
+  def test_gradient_through_the_collected_value(self):
+    f = _vmapped_loop('scan')
+    weights = np.arange(1.0, 7.0, dtype=np.float32).reshape(3, _STEPS)
+
+    def by_hand(xs):  # the same program in jnp, with the replacement
+      hs, c = [], xs
+      for _ in range(_STEPS):
+        h = _FN(c * 2.0 + 0.25)
+        hs.append(h)
+        c = jnp.sin(h)
+      return jnp.sum(jnp.stack(hs, axis=1) * weights)
+
+    grad = jax.grad(
+        lambda xs: jnp.sum(
+            capture(intervene(f, {'c': _FN}))(xs)[1]['c'][0] * weights
+        )
+    )(_BX)
+    assert_close(grad, jax.grad(by_hand)(_BX))
+
+  def test_custom_rule_that_skips_the_primal(self):
+    # Under grad, the body of this custom_jvp is evaluated only to collect
+    # what its rule does not sow; its split sows count as sown values.
+    def make(fn):
+      @jax.custom_jvp
+      def g(xs):
+        one = lambda x: jax.lax.scan(
+            lambda c, _: (sow(fn(c * 2.0), name='c') + 1.0, None),
+            x,
+            None,
+            _STEPS,
+        )[0]
+        return jax.vmap(one)(xs)
+
+      g.defjvp(lambda p, t: (p[0] * 7.0, t[0]))  # never calls g
+      return lambda xs: jnp.sum(g(xs))
+
+    hs = []
+    for x in _BX:
+      c, row = x, []
+      for _ in range(_STEPS):
+        row.append(_FN(c * 2.0))
+        c = row[-1] + 1.0
+      hs.append(row)
+    hs = np.asarray(hs, np.float32)  # (batch, steps)
+    expected_grad = np.ones_like(_BX)  # the rule's tangent
+    plain = make(lambda v: v)
+    for g in (
+        capture(jax.grad(make(_FN))),  # the replacement by hand
+        capture(intervene(jax.grad(plain), {'c': _FN})),
+        capture(jax.grad(intervene(plain, {'c': _FN}))),
+        intervene(capture(jax.grad(plain)), {'c': _FN}),
+    ):
+      self._check(g(_BX), expected_grad, {'c': (hs,)})
+
+  def test_array_replacement_in_a_vmapped_loop_raises(self):
+    f = _vmapped_loop('scan')
+    with self.assertRaisesRegex(
+        ValueError, r"sow 'c' .*`lax.scan` under `jax.vmap`.*callable"
+    ):
+      capture(intervene(f, {'c': (np.zeros((3, _STEPS), np.float32),)}))(_BX)
+
+
+# ----------------------------------------------------------------------------
 # perturb names
 
 

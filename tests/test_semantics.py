@@ -1229,25 +1229,3 @@ class RaisesRatherThanWrongTest(absltest.TestCase):
     for g in (jax.grad(loss), jax.grad(jax.jit(loss))):
       with self.assertRaisesRegex(NotImplementedError, "'h'.*optimize_remat"):
         capture(g)(X)
-
-  def test_capture_of_intervene_in_a_batched_cond(self):
-    def f(x):
-      return jax.lax.cond(
-          x.sum() > 0,
-          lambda x: sow(x * 2.0, name='k'),
-          lambda x: sow(x * 3.0, name='k'),
-          x,
-      )
-
-    xs = jnp.array([[1.0, 2.0], [-1.0, -2.0]])
-    g = intervene(jax.vmap(f), {'k': lambda v: v + 1.0})
-    with self.assertRaisesRegex(NotImplementedError, "'k'.*jax.vmap"):
-      capture(g)(xs)
-    # Intervene alone, and the vmap around both, work: by hand, the taken
-    # branch's value plus one.
-    np.testing.assert_allclose(g(xs), [[3.0, 5.0], [-2.0, -5.0]])
-    out, collected = jax.vmap(capture(intervene(f, {'k': lambda v: v + 1.0})))(
-        xs
-    )
-    np.testing.assert_allclose(out, [[3.0, 5.0], [-2.0, -5.0]])
-    np.testing.assert_allclose(collected['k'][0], [[3.0, 5.0], [-2.0, -5.0]])

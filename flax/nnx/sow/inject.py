@@ -56,6 +56,7 @@ from flax.nnx.sow.capturing import stage
 from flax.nnx.sow.sites import where
 from flax.nnx.sow.collect import run_with_call_hooks
 from flax.nnx.sow.primitive import Intervening
+from flax.nnx.sow.primitive import KEPT
 from flax.nnx.sow.primitive import Name
 from flax.nnx.sow.primitive import sow_p
 from flax.nnx.sow.primitive import staging_active
@@ -70,7 +71,9 @@ intervene_rules: dict[_jax.Primitive, Rule] = {}
 its sub-jaxprs named in the injector's values return their replacements.
 """
 
-_REPLACEABLE_KINDS = ('value', 'perturb')
+# A ``'kept'`` sow is replaced where it is; its ``'hoisted'`` copy is not
+# (``constructs/batched.py``).
+_REPLACEABLE_KINDS = ('value', 'perturb', KEPT)
 
 
 # ----------------------------------------------------------------------------
@@ -126,11 +129,13 @@ class Injector:
         not params['remat_copy']
         and params['name'] in self.values
         and params['kind'] in _REPLACEABLE_KINDS
+        # By tag only: the kinds are checked above (a ``'kept'`` sow, which
+        # no capture accepts, is replaced here).
         and accepts(
             self.accepts_key,
             params['tag'],
             params['reduction'],
-            params['kind'],
+            'value',
             params['name'],
         )
     )

@@ -63,7 +63,14 @@ sow_p.multiple_results = True
 #   puts such entries back in call order); ``'perturb'`` for ``perturb``'s
 #   forward marker, which collects nothing but says where the name is first
 #   used and gives the tangent its ``perturb_tangent_p``; ``'order'`` for a
-#   marker that only says where a name is first used (``constructs/batched.py``).
+#   marker that only says where a name is first used (``constructs/batched.py``);
+#   ``'kept'`` and ``'hoisted'`` for the two halves of a plain sow that
+#   ``intervene`` stages inside a construct ``jax.vmap`` batches
+#   (``constructs/batched.py``): the ``'kept'`` sow stays where the value is,
+#   so that ``intervene`` replaces it there, and no capture collects it; its
+#   result is hoisted out of the construct and sown again after it, mapped
+#   axis first, as ``'hoisted'``, which a capture collects as a value and no
+#   ``intervene`` replaces (it did, at the kept sow).
 # * ``batch_dims``: the leading axes that ``jax.vmap`` added to the value. A
 #   capture folds a reduced sow's ``reduce_fn`` over them, so under vmap every
 #   example is reduced into the one accumulator, as if ``f`` had run once per
@@ -92,6 +99,9 @@ sow_p.multiple_results = True
 #   copy; no jaxpr outside that rule holds it.
 
 MARKER_KINDS = ('perturb', 'order')
+KEPT = 'kept'  # a ``kind``, see above
+HOISTED = 'hoisted'  # a ``kind``, see above
+VALUE_KINDS = ('value', HOISTED)  # what a capture collects as sown values
 HIDDEN = 'hidden'  # a ``remat_copy`` value, see above
 
 _STAGING = jax.make_user_context(())
@@ -123,7 +133,7 @@ class Intervening:
   def replaces(self, params: dict[str, tp.Any]) -> bool:
     return (
         params['name'] in self.names
-        and params['kind'] in ('value', 'perturb')
+        and params['kind'] in ('value', 'perturb', KEPT)
         and (self.tags is None or params['tag'] in self.tags)
     )
 
@@ -140,9 +150,11 @@ def staging_captures() -> tuple[tp.Any, ...]:
 def intervening() -> Intervening | None:
   """The ``intervene`` staging now, if it is the innermost transform staging.
 
-  Its sows must stay where they are (``constructs/batched.py``), and a sow it replaces
-  comes back batched under ``jax.vmap``: a replacement per example has to
-  reach the sow's consumers.
+  Its sows must stay where they are, so that a replacement reaches their
+  consumers: a construct that ``jax.vmap`` batches keeps a ``'kept'`` half
+  of each in place and hoists only its result (``constructs/batched.py``).
+  A sow it replaces comes back batched under ``jax.vmap``: a replacement per
+  example has to reach the sow's consumers.
   """
   if _STAGING.value and isinstance(_STAGING.value[-1], Intervening):
     return _STAGING.value[-1]

@@ -36,8 +36,10 @@ import weakref
 
 from flax.nnx.sow import _jax
 from flax.nnx.sow.primitive import HIDDEN
+from flax.nnx.sow.primitive import KEPT
 from flax.nnx.sow.primitive import MARKER_KINDS
 from flax.nnx.sow.primitive import Name
+from flax.nnx.sow.primitive import VALUE_KINDS
 from flax.nnx.sow.primitive import sow_effect
 from flax.nnx.sow.primitive import sow_p
 from flax.nnx.sow.reductions import Reduction
@@ -225,6 +227,10 @@ def accepts(
 ) -> bool:
   """Whether a capture with ``accepts_key`` collects a sow of ``tag`` and
   ``name``."""
+  if kind == KEPT:
+    # Left in place for ``intervene``; its value is collected from the
+    # ``'hoisted'`` copy (``constructs/batched.py``).
+    return False
   if accepts_key is PLAIN_SOWS:
     # Hoisting moves values; markers stay where they are (a perturb marker
     # must meet the JVP there).
@@ -275,7 +281,7 @@ def without_value_sows_named(
 
   def edit(params, in_custom_call):
     del in_custom_call
-    if params['kind'] == 'value' and params['name'] in names:
+    if params['kind'] in VALUE_KINDS and params['name'] in names:
       return to_remat_copy(params, False)
     return None
 

@@ -24,6 +24,16 @@ become extra outputs), let JAX's rule batch that, and sow the results again
 after the construct with the mapped axis first (:func:`sow_again`); markers
 before the construct keep each name's order of first sow
 (:func:`mark_order`). This file holds that shared half.
+
+While ``intervene`` stages its function (``primitive.intervening()``), a
+sow must stay where its value is used, so that a replacement reaches its
+consumers; a capture around the intervene must still get the value hoisted,
+with the mapped axis first and only for the branch taken, as it gets from
+the function with the replacement written by hand. So each plain sow is
+split first (:func:`kept_in_place`): a ``'kept'`` sow that stays (the
+intervene replaces it; no capture collects it), then a ``'hoisted'`` sow of
+its result, which is hoisted and sown again like any other (a capture
+collects it; no intervene replaces it again).
 """
 
 from __future__ import annotations
@@ -33,8 +43,12 @@ import jax
 
 from flax.nnx.sow import _jax
 from flax.nnx.sow.collect import Layout
+from flax.nnx.sow.collect import cached
+from flax.nnx.sow.primitive import HOISTED
+from flax.nnx.sow.primitive import KEPT
 from flax.nnx.sow.primitive import bind_sow
 from flax.nnx.sow.primitive import mapped_axis_first
+from flax.nnx.sow.primitive import sow_p
 from flax.nnx.sow.sites import PLAIN_SOWS
 from flax.nnx.sow.sites import accepts
 from flax.nnx.sow.sites import sow_sites
@@ -87,3 +101,77 @@ def mark_order(sites) -> None:
 
 
 NO_LEAVES = jax.tree_util.tree_structure(())
+
+
+# ----------------------------------------------------------------------------
+# Under ``intervene``: each plain sow split into a kept and a hoisted half.
+
+
+def kept_in_place(closed: _jax.ClosedJaxpr) -> _jax.ClosedJaxpr:
+  """``closed`` with every staged plain value sow, at any depth, split in two.
+
+  ``y = sow(x)`` becomes ``k = sow[kind='kept'](x); y = sow[kind='hoisted'](k)``:
+  hoisting the plain sows (``PLAIN_SOWS``) then takes the hoisted half, whose
+  operand is the kept sow's result (the replacement, once ``intervene`` has
+  replaced the kept sow), and leaves the kept half in place. Cached per
+  jaxpr.
+  """
+  return cached(closed, ('kept_in_place',), lambda: _split_closed(closed))
+
+
+def _split_closed(closed):
+  jaxpr = _split_jaxpr(closed.jaxpr)
+  return (
+      closed
+      if jaxpr is closed.jaxpr
+      else _jax.ClosedJaxpr(jaxpr, closed.consts)
+  )
+
+
+def _splits(params) -> bool:
+  return (
+      params['kind'] == 'value'
+      and params['reduction'] is None
+      and not params['n_closure']
+      and params['effect']
+      and not params['remat_copy']
+  )
+
+
+def _split_jaxpr(jaxpr: _jax.Jaxpr) -> _jax.Jaxpr:
+  eqns, changed = [], False
+  for eqn in jaxpr.eqns:
+    p = eqn.params
+    if eqn.primitive is sow_p:
+      if not _splits(p):
+        eqns.append(eqn)
+        continue
+      mid = [_jax.Var(v.aval) for v in eqn.outvars]
+      eqns.append(eqn.replace(outvars=mid, params=dict(p, kind=KEPT)))
+      # (A plain sow has no closure operands: the kept half's results are
+      # the whole value.)
+      eqns.append(eqn.replace(invars=mid, params=dict(p, kind=HOISTED)))
+      changed = True
+      continue
+    if any(True for _ in _jax.jaxprs_in_params(p)):
+      params = {k: _split_param(v) for k, v in p.items()}
+      if any(params[k] is not v for k, v in p.items()):
+        eqn = eqn.replace(params=params)
+        changed = True
+    eqns.append(eqn)
+  if not changed:
+    return jaxpr
+  return _jax.edit_jaxpr(jaxpr, eqns, jaxpr.outvars)
+
+
+def _split_param(value):
+  if isinstance(value, _jax.Jaxpr):
+    return _split_jaxpr(value)
+  if isinstance(value, _jax.ClosedJaxpr):
+    return _split_closed(value)
+  if isinstance(value, tuple) and any(
+      isinstance(v, (_jax.Jaxpr, _jax.ClosedJaxpr)) for v in value
+  ):
+    new = tuple(_split_param(v) for v in value)
+    return value if all(a is b for a, b in zip(new, value)) else new
+  return value

@@ -27,7 +27,9 @@ What a sow inside does:
 * **Under ``vmap`` on a batched predicate**: JAX runs every branch and
   selects; plain sows are hoisted out and the selected branch's value is
   sown again after the ``cond`` (``batched.py``); reduced sows fold with a
-  mask, so an untaken branch leaves the accumulator as it was.
+  mask, so an untaken branch leaves the accumulator as it was. While
+  ``intervene`` stages, a kept half of each plain sow stays in every branch
+  for it to replace, and the hoisted value is the kept sow's result.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from flax.nnx.sow.collect import collect_rules
 from flax.nnx.sow.collect import rewrite_jaxpr
 from flax.nnx.sow.constructs.adapter import branches_hoisted
 from flax.nnx.sow.constructs.batched import has_plain_sows
+from flax.nnx.sow.constructs.batched import kept_in_place
 from flax.nnx.sow.constructs.batched import mark_order
 from flax.nnx.sow.constructs.batched import sow_again
 from flax.nnx.sow.control import NO_AXES
@@ -308,34 +311,12 @@ def _cond_intervene(injector, eqn, invals):
 intervene_rules[_jax.cond_p] = _cond_intervene
 
 
-def _check_no_enclosing_capture(branches) -> None:
-  """``intervene`` keeps the sows of a cond on a batched predicate in every
-  branch, and vmap runs every branch for every example: a capture around
-  the intervene would collect every branch's value."""
-  for b in branches:
-    for s in sow_sites(b.jaxpr):
-      if s.kind not in MARKER_KINDS and any(
-          accepts(k, s.tag, s.reduction, s.kind, s.name)
-          for k in staging_captures()
-      ):
-        raise NotImplementedError(
-            f'sow {s.name!r}{s.where}: a capture around intervene cannot'
-            ' collect a sow inside `lax.cond`/`lax.switch` on a predicate'
-            ' that `jax.vmap` batches (inside the intervened function): vmap'
-            ' runs every branch for every example, so the capture would get'
-            " every branch's value. Put the vmap around both, as in"
-            ' jax.vmap(capture(intervene(f, values))).'
-        )
-
-
 def _cond_batcher(jax_rule, axis_data, args, dims, *, branches, **params):
   key = intervening()
   if key is not None and dims[0] is not None:
     _check_no_array_replacement(key, branches)
-    _check_no_enclosing_capture(branches)
   if (
       dims[0] is None
-      or key is not None
       or not staging_captures()
       or not any(sow_sites(b.jaxpr) for b in branches)
   ):
@@ -356,9 +337,14 @@ def _cond_batcher(jax_rule, axis_data, args, dims, *, branches, **params):
   plain = any(has_plain_sows(b) for b in branches)
   layout = None
   if plain:
+    # Under intervene, each sow stays in its branch (a kept half, which it
+    # replaces in every branch) and its result is hoisted (``batched.py``).
+    split = (
+        [kept_in_place(b) for b in branches] if key is not None else branches
+    )
     try:
       branches, layout = align_branches(
-          [rewrite_jaxpr(b, PLAIN_SOWS, ()) for b in branches],
+          [rewrite_jaxpr(b, PLAIN_SOWS, ()) for b in split],
           n_kept,
           branches,
       )
@@ -368,8 +354,8 @@ def _cond_batcher(jax_rule, axis_data, args, dims, *, branches, **params):
       # every branch and collect a value for every example, also those that
       # took another branch, so it is the error it is without vmap.
       if any(
-          accepts(key, s.tag, s.reduction, s.kind, s.name)
-          for key in staging_captures()
+          accepts(k, s.tag, s.reduction, s.kind, s.name)
+          for k in staging_captures()
           for b in branches
           for s in sow_sites(b.jaxpr)
           if s.reduction is None and s.kind not in MARKER_KINDS

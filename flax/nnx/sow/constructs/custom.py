@@ -56,6 +56,7 @@ from flax.nnx.sow.inject import Injector
 from flax.nnx.sow.inject import eval_intervening
 from flax.nnx.sow.inject import intervene_rules
 from flax.nnx.sow.inject import one_body
+from flax.nnx.sow.primitive import VALUE_KINDS
 from flax.nnx.sow.primitive import staging_active
 from flax.nnx.sow.sites import construct_names
 from flax.nnx.sow.sites import holds_staged_sow
@@ -603,7 +604,9 @@ construct_names[_jax.custom_vmap_p] = '`jax.custom_batching.custom_vmap`'
 
 
 def _value_sow_names(closed: _jax.ClosedJaxpr) -> frozenset:
-  return frozenset(s.name for s in sow_sites(closed.jaxpr) if s.kind == 'value')
+  return frozenset(
+      s.name for s in sow_sites(closed.jaxpr) if s.kind in VALUE_KINDS
+  )
 
 
 def _holds_remat_opt(jaxpr: _jax.Jaxpr) -> bool:

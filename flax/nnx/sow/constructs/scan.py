@@ -24,7 +24,9 @@ What a sow inside does:
   iteration); a callable is applied in the body.
 * **Under ``vmap``**: plain sows are hoisted out of the batched body and
   sown again after the loop with the mapped axis first (``batched.py``), so
-  they come back ``(batch, steps, ...)`` like ``vmap``'s outputs.
+  they come back ``(batch, steps, ...)`` like ``vmap``'s outputs. While
+  ``intervene`` stages, a kept half of each sow stays in the body for it to
+  replace, and the hoisted value is the kept sow's result.
 * **Under ``grad``/``linearize``/``checkpoint``**: JAX's partial evaluation
   of ``scan`` moves work that reads only the loop's constants out of the
   loop. While it does, a staged sow counts as loop-dependent: it stays in
@@ -52,6 +54,7 @@ from flax.nnx.sow.collect import rewrite_jaxpr
 from flax.nnx.sow.constructs.adapter import hoisted
 from flax.nnx.sow.constructs.adapter import permuted
 from flax.nnx.sow.constructs.batched import has_plain_sows
+from flax.nnx.sow.constructs.batched import kept_in_place
 from flax.nnx.sow.constructs.batched import mark_order
 from flax.nnx.sow.constructs.batched import sow_again
 from flax.nnx.sow.control import control_rules
@@ -172,11 +175,14 @@ intervene_rules[_jax.scan_p] = _scan_intervene
 
 def _scan_batcher(jax_rule, axis_data, args, dims, **params):
   body = params['jaxpr']
-  if intervening() or not staging_captures() or not has_plain_sows(body):
+  if not staging_captures() or not has_plain_sows(body):
     # Nothing a capture could collect: JAX's rule, unchanged.
     return jax_rule(axis_data, args, dims, **params)
+  # Under intervene, each sow stays in the body (a kept half, which it
+  # replaces) and its result is hoisted (``batched.py``).
+  split = kept_in_place(body) if intervening() else body
   # [consts, carry, xs] -> [carry, ys, entries]: the entries are extra ys.
-  new_body, layout = rewrite_jaxpr(body, PLAIN_SOWS, ())
+  new_body, layout = rewrite_jaxpr(split, PLAIN_SOWS, ())
   # The hoisted sows come after the scan; markers before it keep every name
   # the body sows in its order of first sow.
   mark_order(sow_sites(body.jaxpr))

@@ -79,7 +79,6 @@ import numpy as np
 from flax import nnx
 
 # Flax internals (adapt here for a new Flax release).
-from flax.nnx import extract as _extract
 from flax.nnx import graphlib as _graphlib
 from flax.nnx import tracers as _tracers
 

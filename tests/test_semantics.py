@@ -1199,6 +1199,35 @@ class ReductionOrderTest(parameterized.TestCase):
       _, collected = capture(f)(i, jnp.float32(1.0))
       self.assertEqual(float(collected['log']), 51.0)  # 5 * 10 + 1
 
+  @parameterized.named_parameters(
+      ('vmap_inside', lambda f: capture(jax.vmap(f))),
+      ('jit_vmap_inside', lambda f: jax.jit(capture(jax.vmap(f)))),
+      (
+          'vmap_in_scan',
+          lambda f: capture(
+              lambda xs: jax.lax.scan(
+                  lambda c, x: (c, jax.vmap(f)(x)), 0.0, xs[None]
+              )[1]
+          ),
+      ),
+  )
+  def test_batched_cond_starts_from_true_fun(self, run):
+    # vmap on a batched predicate runs both branches; the name still starts
+    # from true_fun's init_fn (found by a fresh reviewer: it took false_fun's).
+    add_fn = lambda a, v: a + v
+
+    def gated(x):
+      return jax.lax.cond(
+          x > 0,
+          lambda x: sow(x, name='s', reduce_fn=add_fn, init_fn=lambda: 100.0),
+          lambda x: sow(x, name='s', reduce_fn=add_fn, init_fn=lambda: 0.0),
+          x,
+      )
+
+    xs = jnp.array([1.0, -2.0])
+    # One example per branch: 100 (true_fun's init) + 1 - 2.
+    self.assertEqual(float(run(gated)(xs)[1]['s']), 99.0)
+
   def test_vmap_folds_site_by_site(self):
     def two_sites(x):
       sow(x, name='seq', reduce_fn=_shift_in, init_fn=lambda: 0.0)

@@ -72,6 +72,7 @@ from flax.nnx.sow.sites import PLAIN_SOWS
 from flax.nnx.sow.sites import accepts
 from flax.nnx.sow.sites import construct_names
 from flax.nnx.sow.sites import site_annotations
+from flax.nnx.sow.sites import init_order_sites
 from flax.nnx.sow.sites import sow_sites
 
 # ----------------------------------------------------------------------------
@@ -365,13 +366,14 @@ def _cond_batcher(jax_rule, axis_data, args, dims, *, branches, **params):
   if layout is not None or reduced_sites:
     # The hoisted sows come after the cond; markers before it keep the
     # names in their order of first sow (branch by branch, as without vmap).
-    mark_order([s for b in original for s in sow_sites(b.jaxpr)])
+    mark_order(_with_init_reductions(original))
   outs, out_dims = jax_rule(axis_data, args, dims, branches=branches, **params)
   if layout is not None:
     sow_again(layout, outs[n_kept:], out_dims[n_kept:], axis_data.size)
   if reduced_sites:
     index = mapped_axis_first(args[0], dims[0], axis_data.size)
     _sow_reduced_again(
+        len(original),
         reduced_sites,
         index,
         outs[n_out:n_kept],
@@ -499,20 +501,52 @@ def _hoist_reduced(branches):
   return tuple(new), sites
 
 
-def _sow_reduced_again(sites, index, values, dims, axis_size) -> None:
+def _with_init_reductions(branches) -> list:
+  """The sites of ``branches`` in program order, each reduced one with the
+  reduction of its name's first site in :func:`init_order_sites`'s order
+  (``true_fun`` first), so the order markers give a name its ``init_fn``
+  as without vmap."""
+  found = [s for b in branches for s in sow_sites(b.jaxpr)]
+  init = {}
+  for b in _in_init_order(branches):
+    for site in init_order_sites(b.jaxpr):
+      init.setdefault(site.name, site.reduction)
+  return [
+      dataclasses.replace(s, reduction=init[s.name])
+      if s.reduction is not None and s.name in init
+      else s
+      for s in found
+  ]
+
+
+def _in_init_order(seq):
+  """Branches (or their sites' branch numbers) in the order in which they
+  give a name its ``init_fn``: a two-branch ``cond`` is staged as
+  ``(false_fun, true_fun)``, and ``true_fun``, written first, comes first."""
+  seq = list(seq)
+  return seq[::-1] if len(seq) == 2 else seq
+
+
+def _sow_reduced_again(n_branches, sites, index, values, dims, axis_size):
   """Sows each hoisted reduced value with the mask of its branch's examples.
 
   ``reduce_fn`` is applied for an example only where the mask is true, so
-  each example folds the sows of the branch it took, as without vmap.
+  each example folds the sows of the branch it took, as without vmap. The
+  branches' sites are sown in the order in which they give a name its
+  ``init_fn`` (``true_fun``'s first).
   """
-  pos = 0
+  pos, hoisted = 0, []
   for site in sites:
     n = len(site.avals)
+    hoisted.append((site, values[pos : pos + n], dims[pos : pos + n]))
+    pos += n
+  rank = {b: i for i, b in enumerate(_in_init_order(range(n_branches)))}
+  hoisted.sort(key=lambda h: rank[h[0].branch])  # stable within a branch
+  for site, site_values, site_dims in hoisted:
     leaves = [
         mapped_axis_first(x, d, axis_size)
-        for x, d in zip(values[pos : pos + n], dims[pos : pos + n])
+        for x, d in zip(site_values, site_dims)
     ]
-    pos += n
     p = site.params
     batch_dims = p['batch_dims'] + 1
     mask = index == site.branch

@@ -121,6 +121,54 @@ class FunctionalPatternTest(PathsTestCase):
     self.assert_acts(collected, model, out=out)
     self.assertEqual(module_attributes(model), before)
 
+  def test_merged_model_calls_an_nnx_transform_on_a_sowing_block(self):
+    # The block's copies made by nnx.jit / nnx.vmap / a split and merge
+    # inside the merged model keep the block's path (found by a fresh
+    # reviewer: it raised that two graphdefs were merged).
+    class Block(nnx.Module):
+
+      def __init__(self, rngs):
+        self.linear = nnx.Linear(2, 2, rngs=rngs)
+
+      def __call__(self, x):
+        y = jnp.tanh(self.linear(x))
+        self.sow(nnx.Intermediate, 'act', y)
+        return y
+
+    def split_merge(block, x):
+      g, s = nnx.split(block)
+      return nnx.merge(g, s)(x)
+
+    calls = {
+        'jit': lambda block, x: nnx.jit(lambda b, x: b(x))(block, x),
+        'split_merge': split_merge,
+    }
+    for name, call in calls.items():
+
+      class Wrap(nnx.Module):
+
+        def __init__(self, rngs, call=call):
+          self.block = Block(rngs)
+          self.call = call
+
+        def __call__(self, x):
+          return self.call(self.block, x)
+
+      model = Wrap(nnx.Rngs(0))
+      graphdef, state = nnx.split(model)
+      x = jnp.linspace(-1.0, 1.0, 6).reshape(3, 2)
+      lin = model.block.linear
+      want = np.tanh(
+          np.asarray(x) @ np.asarray(lin.kernel) + np.asarray(lin.bias)
+      )
+      for run in (capture, lambda f: jax.jit(capture(f))):
+        out, collected = run(lambda s, x: nnx.merge(graphdef, s)(x))(state, x)
+        self.assertEqual(list(collected), [('block', 'act')], name)
+        np.testing.assert_allclose(
+            collected[('block', 'act')][0], want, rtol=1e-6
+        )
+        np.testing.assert_allclose(out, want, rtol=1e-6)
+
   def test_under_jax_jit(self):
     model = Model()
     graphdef, state = nnx.split(model)

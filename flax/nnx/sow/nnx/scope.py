@@ -463,6 +463,14 @@ class Scope:
         found = True
         if child is not original:
           self.nodes.setdefault(id(child), (child, path))
+        continue
+      # A copy of an object merged from a graphdef split before the
+      # capture (the MERGED tier) takes that object's path and standing.
+      hit = self._merged_hit(original)
+      if hit is not None:
+        found = True
+        if child is not original:
+          self.merged.setdefault(id(child), (child, hit[1], hit[2]))
     return found
 
   def note_transform_copies(self, outer: dict, inner: dict) -> None:

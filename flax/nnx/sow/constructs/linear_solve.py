@@ -247,6 +247,23 @@ construct_names[_jax.linear_solve_p] = _NAME
 
 
 def _linear_solve_jvp(original, primals, tangents, *, const_lengths, jaxprs):
+  # Where neither ``b`` nor ``matvec``'s constants have tangents, only the
+  # other functions' constants (a replacement that intervene passes to
+  # ``solve``, differentiated), JAX's rule binds symbolic zeros and fails:
+  # ``b``'s tangents are instantiated (nothing else reaches this case). The
+  # rule differentiates ``x`` implicitly, so the result does not depend on
+  # what ``solve`` computes: a zero gradient with respect to such a
+  # replacement, as under a custom_jvp.
+  n_b = len(tangents) - sum(const_lengths)
+  b_start = len(tangents) - n_b
+  if all(
+      type(t) is _jax.Zero
+      for t in [*tangents[: const_lengths.matvec], *tangents[b_start:]]
+  ):
+    tangents = [
+        *tangents[:b_start],
+        *(_jax.instantiate_zeros(t) for t in tangents[b_start:]),
+    ]
   if not any(j is not None and holds_staged_sow(j.jaxpr) for j in jaxprs):
     return original(
         primals, tangents, const_lengths=const_lengths, jaxprs=jaxprs

@@ -387,7 +387,8 @@ class Scope:
       if self.roots:
         why = (
             f'it was merged from a graphdef split before the capture, and'
-            f' the capture also has the root {self.roots[0][1]!r}'
+            ' the capture also has the root'
+            f' {min((p for _, p in self.roots), key=len)!r}'
         )
       elif self._merged_graphdef is None:
         self._merged_graphdef = graphdef

@@ -59,6 +59,7 @@ from flax.nnx.sow.sites import SowSite
 from flax.nnx.sow.sites import accepts
 from flax.nnx.sow.sites import as_jaxpr
 from flax.nnx.sow.sites import construct_name
+from flax.nnx.sow.sites import renamed
 from flax.nnx.sow.sites import sow_sites
 from flax.nnx.sow.sites import where
 
@@ -554,10 +555,7 @@ def edit_plain_sows(
       if accepts(accepts_key, p['tag'], p['reduction'], p['kind'], p['name']):
         if p['reduction'] is not None:
           return None
-        operands = [
-            subst.get(v, v) if isinstance(v, _jax.Var) else v
-            for v in eqn.invars
-        ]
+        operands = renamed(eqn.invars, subst)
         subst.update(zip(eqn.outvars, operands))
         names.setdefault(p['name'], None)
         if p['kind'] == 'perturb':  # the forward marker (see EntrySpec)
@@ -593,16 +591,9 @@ def edit_plain_sows(
     if subst and any(
         isinstance(v, _jax.Var) and v in subst for v in eqn.invars
     ):
-      eqn = eqn.replace(
-          invars=[
-              subst.get(v, v) if isinstance(v, _jax.Var) else v
-              for v in eqn.invars
-          ]
-      )
+      eqn = eqn.replace(invars=renamed(eqn.invars, subst))
     eqns.append(eqn)
-  outvars = [
-      subst.get(v, v) if isinstance(v, _jax.Var) else v for v in jaxpr.outvars
-  ]
+  outvars = renamed(jaxpr.outvars, subst)
   return Edited(
       _jax.edit_jaxpr(jaxpr, eqns, [*outvars, *sown]),
       Layout(tuple(entries), (), tuple(names)),

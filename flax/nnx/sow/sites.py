@@ -248,6 +248,13 @@ def construct_name(primitive: _jax.Primitive) -> str:
   return construct_names.get(primitive, f'`{primitive.name}`')
 
 
+def renamed(atoms, subst: dict) -> list:
+  """``atoms`` (an equation's invars, a jaxpr's outvars) with each variable
+  that ``subst`` maps replaced by its value (literals kept), as when sows
+  removed from a jaxpr hand their operands to their consumers."""
+  return [subst.get(v, v) if isinstance(v, _jax.Var) else v for v in atoms]
+
+
 def holds_staged_sow(jaxpr: _jax.Jaxpr) -> bool:
   for eqn in jaxpr.eqns:
     if eqn.primitive is sow_p:

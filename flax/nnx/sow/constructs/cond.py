@@ -73,6 +73,7 @@ from flax.nnx.sow.sites import accepts
 from flax.nnx.sow.sites import construct_names
 from flax.nnx.sow.sites import site_annotations
 from flax.nnx.sow.sites import init_order_sites
+from flax.nnx.sow.sites import renamed
 from flax.nnx.sow.sites import sow_sites
 
 # ----------------------------------------------------------------------------
@@ -434,10 +435,7 @@ def _hoist_reduced(branches):
           and not p['remat_copy']
           and p['kind'] not in MARKER_KINDS
       ):
-        operands = [
-            subst.get(v, v) if isinstance(v, _jax.Var) else v
-            for v in eqn.invars
-        ]
+        operands = renamed(eqn.invars, subst)
         subst.update(zip(eqn.outvars, operands))
         found.append((p, tuple(v.aval for v in eqn.invars)))
         outs.extend(operands)
@@ -459,16 +457,9 @@ def _hoist_reduced(branches):
             ' capture (jax.vmap(capture(f))).'
         )
       if subst:
-        eqn = eqn.replace(
-            invars=[
-                subst.get(v, v) if isinstance(v, _jax.Var) else v
-                for v in eqn.invars
-            ]
-        )
+        eqn = eqn.replace(invars=renamed(eqn.invars, subst))
       eqns.append(eqn)
-    outvars = [
-        subst.get(v, v) if isinstance(v, _jax.Var) else v for v in jaxpr.outvars
-    ]
+    outvars = renamed(jaxpr.outvars, subst)
     edited = _jax.edit_jaxpr(jaxpr, eqns, [*outvars, *outs])
     edits.append((_jax.ClosedJaxpr(edited, closed.consts), found))
   if not any(found for _, found in edits):

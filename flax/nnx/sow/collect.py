@@ -509,19 +509,39 @@ _rewrite_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _rewrite_lock = threading.Lock()
 
 
-def cached(source: tp.Any, key: tp.Hashable, build: tp.Callable[[], tp.Any]):
+def cached(
+    source: tp.Any,
+    key: tp.Hashable,
+    build: tp.Callable[[], tp.Any],
+    owner: tp.Any = None,
+):
   """``build()``, memoised per ``source`` object (weakly) and ``key``.
 
   Rules derive new jaxprs from the ones in an equation; returning the same
-  object for the same input keeps JAX's compilation caches warm.
+  object for the same input keeps JAX's compilation caches warm. With an
+  ``owner``, the entry is that object's alone and is dropped when it is
+  collected (``inject.cached_rewrite``).
   """
+  if owner is not None:
+    key = (*key, id(owner))
   per_source = _rewrite_cache.get(source)
   if per_source is not None and key in per_source:
     return per_source[key]
   result = build()
   with _rewrite_lock:
     _rewrite_cache.setdefault(source, {})[key] = result
+  if owner is not None:
+    # Runs before the owner's id can be reused.
+    weakref.finalize(owner, _evict, weakref.ref(source), key)
   return result
+
+
+def _evict(source_ref, key) -> None:
+  source = source_ref()
+  if source is None:
+    return
+  with _rewrite_lock:
+    _rewrite_cache.get(source, {}).pop(key, None)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,9 +38,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import threading
 import typing as tp
-import weakref
 
 import jax
 
@@ -98,29 +96,21 @@ def _same_type(a, b) -> bool:
   return a.shape == b.shape and a.dtype == b.dtype
 
 
-class Injector:
-  """What one ``intervene`` replaces in one scope of the program.
+class Replacements:
+  """The replacements of one scope, and how many entries it has handed out.
 
-  A scope is the top-level jaxpr or a sub-jaxpr a rule rewrites. Callables
-  are shared by every scope; array entries are handed down to the scope that
-  consumes them, in call order.
+  ``values`` maps a name to a callable, applied to every sow of the name, or
+  to its array :class:`Entries`, one per sow in call order: a sow here takes
+  the next one (:meth:`replacement`), a sub-jaxpr the next ones its sows
+  consume (:meth:`take`). The errors for entries that cannot be matched to a
+  sow are raised here.
   """
 
-  def __init__(
-      self,
-      accepts_key,
-      values: dict[Name, tp.Any],
-      strict: bool,
-      token: tp.Any = None,
-  ):
+  def __init__(self, accepts_key, values: dict[Name, tp.Any], strict: bool):
     self.accepts_key = accepts_key
     self.values = values  # name -> callable | Entries
     self.strict = strict
-    # One per intervene(...) call: rewrites that apply its callables are
-    # cached for it alone (see ``_cached_rewrite``).
-    self.token = token
     self.next: collections.Counter = collections.Counter()
-    self.used: set[Name] = set()
 
   # -- which sows are replaced ---------------------------------------------
 
@@ -146,8 +136,6 @@ class Injector:
         for j in jaxprs
         for s in sow_sites(as_jaxpr(j))
     )
-
-  # -- array entries --------------------------------------------------------
 
   def consumed(self, jaxpr: _jax.Jaxpr) -> collections.Counter:
     """How many array entries of each name one call of ``jaxpr`` consumes."""
@@ -188,40 +176,25 @@ class Injector:
       counts[name] = ns[0]
     return counts
 
-  def check_unbatched_loop(self, jaxpr: _jax.Jaxpr, construct: str) -> None:
-    """Array entries cannot replace a sow in a loop under ``jax.vmap``.
+  # -- handing entries out ---------------------------------------------------
 
-    Its value carries the mapped axes inside the loop, but whether
-    ``capture`` stacks it ``(steps, batch, ...)`` (a vmap inside the body)
-    or ``(batch, steps, ...)`` (a vmap around the loop) is not in the body.
+  def replacement(self, name: Name, value, batch_dims: int):
+    """What replaces the sow of ``name`` reached now, whose value is ``value``.
+
+    Returns ``(replacement, label)``, ``label`` naming it for errors, or
+    ``None`` where the entries of ``name`` have run out (``strict=False``:
+    the sow keeps its value).
     """
-    for s in sow_sites(jaxpr):
-      p = s.eqn.params
-      if (
-          self.targets(p)
-          and isinstance(self.values[s.name], Entries)
-          and p['batch_dims']
-      ):
-        if _jax.traced_under_lax_map_batch(s.eqn.source_info):
-          raise ValueError(
-              f'intervene: sow {s.name!r}{s.where} is inside'
-              ' `lax.map(..., batch_size=...)`, which scans over batches of'
-              ' the mapped function under `jax.vmap`; capture returns its'
-              ' values as an entry (n_batches, batch_size, ...), then one'
-              ' (n % batch_size, ...) for the remainder, and intervene cannot'
-              ' lay an array replacement out over that. Pass a callable'
-              ' (values[name] = fn, applied per example), or drop batch_size'
-              ' (one entry stacked (n, ...), which intervene accepts).'
-          )
-        raise ValueError(
-            f'intervene: sow {s.name!r}{s.where} is inside {construct}'
-            ' under `jax.vmap`, or has a `jax.vmap` around it inside the'
-            ' loop body: the two look the same in the staged program, and'
-            ' their captured layouts differ ((batch, steps, ...) and'
-            ' (steps, batch, ...)), so an array replacement cannot be laid'
-            ' out unambiguously. Pass a callable (values[name] = fn, applied'
-            ' per example and iteration), or put the vmap around intervene.'
-        )
+    v = self.values[name]
+    if not isinstance(v, Entries):
+      return _apply(v, value, batch_dims), f'values[{name!r}](value)'
+    i = self.next[name]
+    self.next[name] += 1
+    if i >= len(v.entries):
+      if self.strict:
+        raise self._count_error(name, i + 1)
+      return None
+    return v.entries[i], f'values[{name!r}][{v.offset + i}]'
 
   def take(self, counts: collections.Counter, length: int | None = None):
     """The next ``counts[name]`` entries of each name, for a sub-jaxpr.
@@ -238,7 +211,6 @@ class Injector:
       ent: Entries = self.values[name]
       start = self.next[name]
       self.next[name] += n
-      self.used.add(name)
       stop = min(start + n, len(ent.entries))
       if stop - start < n and self.strict:
         raise self._count_error(name, start + n)
@@ -271,10 +243,133 @@ class Injector:
         ' returns them). Pass a tuple of that length, or a callable.'
     )
 
+  # -- the checks of the whole program ---------------------------------------
+
+  def check_sites(self, jaxpr: _jax.Jaxpr) -> None:
+    """Checks before anything runs: no reduced name is replaced; with
+    ``strict``, every name is sown somewhere in the program."""
+    sites = [s for s in sow_sites(jaxpr) if self.targets(s.eqn.params)]
+    for s in sites:
+      if s.reduction is not None:
+        raise ValueError(
+            f'intervene: sow {s.name!r}{s.where} is reduced (reduce_fn/'
+            'init_fn): its sites fold into one accumulator, so there is no'
+            ' value to replace. Replace the values it reduces (sow them'
+            ' under another name), or drop the name from values.'
+        )
+    if not self.strict:
+      return
+    sown = {s.name for s in sites}
+    unused = [n for n in self.values if n not in sown]
+    if unused:
+      raise ValueError(
+          f'intervene: no sow that this intervene accepts is named'
+          f' {", ".join(map(repr, unused))}. Check the names (capture(f)'
+          ' returns them) and tags, or pass strict=False to ignore names the'
+          ' program does not sow. (A sow that a capture inside f collects is'
+          ' gone before intervene sees it: write capture(intervene(g,'
+          ' values)) instead.)'
+      )
+
+  def finish(self) -> None:
+    """The count check of ``strict=True`` once the whole program has run."""
+    if not self.strict:
+      return
+    for name, v in self.values.items():
+      if isinstance(v, Entries) and self.next[name] != len(v.entries):
+        raise ValueError(
+            f'intervene: values[{name!r}] has {len(v.entries)} entries, but'
+            f' the program sows {name!r} {self.next[name]} times (one entry'
+            ' per sow executed at top level, one stacked entry per sow site'
+            ' inside a loop, as capture returns them). Pass a tuple of that'
+            ' length, or strict=False.'
+        )
+
+
+class Injector:
+  """Evaluates one scope of the program with its sows replaced.
+
+  A scope is the top-level jaxpr or a sub-jaxpr a rule rewrites. A sow that
+  its :class:`Replacements` target is bound on its replacement; a sub-jaxpr
+  is rewritten to take the array entries its sows consume as extra inputs
+  (:meth:`rewrite`), and evaluated with the injector of its own scope
+  (:meth:`inner`). Callables are shared by every scope.
+  """
+
+  def __init__(
+      self,
+      accepts_key,
+      values: dict[Name, tp.Any],
+      strict: bool,
+      token: tp.Any = None,
+  ):
+    self.accepts_key = accepts_key
+    self.strict = strict
+    # One per intervene(...) call: rewrites that apply its callables are
+    # cached for it alone (see ``cached_rewrite``).
+    self.token = token
+    self.replacements = Replacements(accepts_key, values, strict)
+
+  # -- what the rules ask, answered by the replacements ----------------------
+
+  def targets(self, params) -> bool:
+    return self.replacements.targets(params)
+
+  def has_work(self, jaxprs) -> bool:
+    return self.replacements.has_work(jaxprs)
+
+  def consumed(self, jaxpr: _jax.Jaxpr) -> collections.Counter:
+    return self.replacements.consumed(jaxpr)
+
+  def branch_consumed(self, branches) -> collections.Counter:
+    return self.replacements.branch_consumed(branches)
+
+  def take(self, counts: collections.Counter, length: int | None = None):
+    return self.replacements.take(counts, length)
+
+  # -- sub-jaxprs ------------------------------------------------------------
+
+  def check_unbatched_loop(self, jaxpr: _jax.Jaxpr, construct: str) -> None:
+    """Array entries cannot replace a sow in a loop under ``jax.vmap``.
+
+    Its value carries the mapped axes inside the loop, but whether
+    ``capture`` stacks it ``(steps, batch, ...)`` (a vmap inside the body)
+    or ``(batch, steps, ...)`` (a vmap around the loop) is not in the body.
+    """
+    for s in sow_sites(jaxpr):
+      p = s.eqn.params
+      if (
+          self.targets(p)
+          and isinstance(self.replacements.values[s.name], Entries)
+          and p['batch_dims']
+      ):
+        if _jax.traced_under_lax_map_batch(s.eqn.source_info):
+          raise ValueError(
+              f'intervene: sow {s.name!r}{s.where} is inside'
+              ' `lax.map(..., batch_size=...)`, which scans over batches of'
+              ' the mapped function under `jax.vmap`; capture returns its'
+              ' values as an entry (n_batches, batch_size, ...), then one'
+              ' (n % batch_size, ...) for the remainder, and intervene cannot'
+              ' lay an array replacement out over that. Pass a callable'
+              ' (values[name] = fn, applied per example), or drop batch_size'
+              ' (one entry stacked (n, ...), which intervene accepts).'
+          )
+        raise ValueError(
+            f'intervene: sow {s.name!r}{s.where} is inside {construct}'
+            ' under `jax.vmap`, or has a `jax.vmap` around it inside the'
+            ' loop body: the two look the same in the staged program, and'
+            ' their captured layouts differ ((batch, steps, ...) and'
+            ' (steps, batch, ...)), so an array replacement cannot be laid'
+            ' out unambiguously. Pass a callable (values[name] = fn, applied'
+            ' per example and iteration), or put the vmap around intervene.'
+        )
+
   def inner(self, spec, leaves) -> Injector:
     """The injector of a sub-jaxpr given the entries ``take`` handed it."""
     values = {
-        n: v for n, v in self.values.items() if not isinstance(v, Entries)
+        n: v
+        for n, v in self.replacements.values.items()
+        if not isinstance(v, Entries)
     }
     pos = 0
     for name, offset, treedefs in spec:
@@ -293,7 +388,7 @@ class Injector:
     sown = {s.name for s in sow_sites(jaxpr)}
     return tuple(
         (n, v)
-        for n, v in self.values.items()
+        for n, v in self.replacements.values.items()
         if not isinstance(v, Entries) and n in sown
     )
 
@@ -339,20 +434,10 @@ class Injector:
     n = len(invals) - p['n_closure']
     leaves, closure = list(invals[:n]), list(invals[n:])
     value = jax.tree_util.tree_unflatten(p['treedef'], leaves)
-    replacement = self.values[name]
-    self.used.add(name)
-    if isinstance(replacement, Entries):
-      i = self.next[name]
-      self.next[name] += 1
-      if i >= len(replacement.entries):
-        if self.strict:
-          raise self._count_error(name, i + 1)
-        return _jax.bind_equation(rebind, invals)
-      new = replacement.entries[i]
-      label = f'values[{name!r}][{replacement.offset + i}]'
-    else:
-      new = _apply(replacement, value, p['batch_dims'])
-      label = f'values[{name!r}](value)'
+    found = self.replacements.replacement(name, value, p['batch_dims'])
+    if found is None:  # past the last entry, with strict=False
+      return _jax.bind_equation(rebind, invals)
+    new, label = found
     new_leaves, new_treedef = jax.tree_util.tree_flatten(new)
     new_leaves = [jax.numpy.asarray(x) for x in new_leaves]
     if new_treedef != p['treedef'] or not all(
@@ -376,50 +461,6 @@ class Injector:
     new_leaves = [_jax.vary_like(x, a) for x, a in zip(new_leaves, leaves)]
     return _jax.bind_equation(rebind, [*new_leaves, *closure])
 
-  def check_sites(self, jaxpr: _jax.Jaxpr) -> None:
-    """Checks before anything runs: no reduced name is replaced; with
-    ``strict``, every name is sown somewhere in the program."""
-    sites = [s for s in sow_sites(jaxpr) if self.targets(s.eqn.params)]
-    for s in sites:
-      if s.reduction is not None:
-        raise ValueError(
-            f'intervene: sow {s.name!r}{s.where} is reduced (reduce_fn/'
-            'init_fn): its sites fold into one accumulator, so there is no'
-            ' value to replace. Replace the values it reduces (sow them'
-            ' under another name), or drop the name from values.'
-        )
-    self.used.update(s.name for s in sites)
-    if not self.strict:
-      return
-    unused = [n for n in self.values if n not in self.used]
-    if unused:
-      raise ValueError(
-          f'intervene: no sow that this intervene accepts is named'
-          f' {", ".join(map(repr, unused))}. Check the names (capture(f)'
-          ' returns them) and tags, or pass strict=False to ignore names the'
-          ' program does not sow. (A sow that a capture inside f collects is'
-          ' gone before intervene sees it: write capture(intervene(g,'
-          ' values)) instead.)'
-      )
-
-  def finish(self) -> None:
-    """The count check of ``strict=True`` once the whole program has run."""
-    if not self.strict:
-      return
-    for name, v in self.values.items():
-      if isinstance(v, Entries) and self.next[name] != len(v.entries):
-        raise ValueError(
-            f'intervene: values[{name!r}] has {len(v.entries)} entries, but'
-            f' the program sows {name!r} {self.next[name]} times (one entry'
-            ' per sow executed at top level, one stacked entry per sow site'
-            ' inside a loop, as capture returns them). Pass a tuple of that'
-            ' length, or strict=False.'
-        )
-
-
-_rewrites: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_rewrites_lock = threading.Lock()
-
 
 def cached_rewrite(closed, key, fns, build, token):
   """``cached(closed, key, build)`` for a rewrite that applies ``fns``.
@@ -434,24 +475,8 @@ def cached_rewrite(closed, key, fns, build, token):
   """
   if not fns:
     return cached(closed, key, build)
-  key = (*key, tuple(name for name, _ in fns), id(token))
-  per_jaxpr = _rewrites.get(closed)
-  if per_jaxpr is not None and key in per_jaxpr:
-    return per_jaxpr[key]
-  result = build()
-  with _rewrites_lock:
-    _rewrites.setdefault(closed, {})[key] = result
-  # Runs before the token's id can be reused.
-  weakref.finalize(token, _evict, weakref.ref(closed), key)
-  return result
-
-
-def _evict(closed_ref, key) -> None:
-  closed = closed_ref()
-  if closed is None:
-    return
-  with _rewrites_lock:
-    _rewrites.get(closed, {}).pop(key, None)
+  key = (*key, tuple(name for name, _ in fns))
+  return cached(closed, key, build, owner=token)
 
 
 def _apply(fn, value, batch_dims: int):
@@ -673,7 +698,7 @@ def intervene(
 
 
 class _Token:
-  """Identifies one ``intervene(...)`` call (see ``_cached_rewrite``)."""
+  """Identifies one ``intervene(...)`` call (see ``cached_rewrite``)."""
 
   __slots__ = ('__weakref__',)
 
@@ -687,7 +712,7 @@ def _stage_and_intervene(f, accepts_key, values, strict, token, args, kwargs):
   staged = stage(f, key, args, kwargs)
   injector = Injector(accepts_key, values, strict, token)
   closed = staged.closed
-  injector.check_sites(closed.jaxpr)
+  injector.replacements.check_sites(closed.jaxpr)
   outs = eval_intervening(closed.jaxpr, closed.consts, staged.arrays, injector)
-  injector.finish()
+  injector.replacements.finish()
   return staged.output(outs)

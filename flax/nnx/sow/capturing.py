@@ -123,22 +123,7 @@ def capture(
         f'capture: f must be callable, got {f!r} of type {type(f).__name__};'
         ' pass the function whose sows to collect, as in capture(f)(x).'
     )
-  if tags is None:
-    accepts_key = None
-  elif isinstance(tags, (str, bytes)) or not isinstance(tags, tp.Iterable):
-    raise TypeError(
-        f'capture: tags must be None or an iterable of tags, got {tags!r};'
-        f' write tags=({tags!r},) to collect one tag.'
-    )
-  else:
-    try:
-      accepts_key = frozenset(tags)
-    except TypeError:
-      raise TypeError(
-          f'capture: every tag must be hashable (tags are compared with the'
-          f' tag= of each sow), got tags={tags!r}.'
-      ) from None
-
+  accepts_key = check_tags(tags, 'capture')
   if names is not None:
     accepts_key = Selection(accepts_key, _check_names(names))
   eager_calls = _EagerJitted(f, accepts_key)
@@ -152,6 +137,31 @@ def capture(
 
   captured._sow_captured = (f, tags, names)  # pylint: disable=protected-access
   return captured
+
+
+def check_tags(tags, transform: str) -> frozenset | None:
+  """The tags ``transform`` (``capture``, ``intervene``) accepts, as a key.
+
+  Returns:
+    ``None`` for ``tags=None`` (every tag), else ``frozenset(tags)``.
+
+  Raises:
+    TypeError: ``tags`` is a string, not iterable, or holds an unhashable tag.
+  """
+  if tags is None:
+    return None
+  if isinstance(tags, (str, bytes)) or not isinstance(tags, tp.Iterable):
+    raise TypeError(
+        f'{transform}: tags must be None or an iterable of tags, got'
+        f' {tags!r}; write tags=({tags!r},) for one tag.'
+    )
+  try:
+    return frozenset(tags)
+  except TypeError:
+    raise TypeError(
+        f'{transform}: every tag must be hashable (tags are compared with the'
+        f' tag= of each sow), got tags={tags!r}.'
+    ) from None
 
 
 def _check_names(names) -> frozenset | tp.Callable[[Name], bool]:

@@ -124,6 +124,13 @@ class EntrySpec(tp.NamedTuple):
   # For 'perturb' and 'cotangent': the perturb call's ordinal (api.py).
   ordinal: int | None = None
 
+  @classmethod
+  def of_sow(cls, p: dict[str, tp.Any], size: int) -> EntrySpec:
+    """The entry of a sow with parameters ``p`` that returns ``size`` leaves."""
+    return cls(
+        p['name'], p['tag'], p['treedef'], size, p['kind'], p.get('ordinal')
+    )
+
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
@@ -239,11 +246,11 @@ class Collector:
     ]
 
   def has_work(self, jaxprs) -> bool:
-    for j in jaxprs:
-      for s in sow_sites(as_jaxpr(j)):
-        if self.accepts(s.tag, s.reduction, s.kind, s.name):
-          return True
-    return False
+    return any(
+        self.accepts(s.tag, s.reduction, s.kind, s.name)
+        for j in jaxprs
+        for s in sow_sites(as_jaxpr(j))
+    )
 
   # -- recording ----------------------------------------------------------
 
@@ -284,10 +291,7 @@ class Collector:
       # Collects nothing, but the name takes its place in the order of
       # first sow here, and the marker says where this forward pass ran
       # (a perturb's cotangent arrives later, in the backward pass).
-      spec = EntrySpec(
-          p['name'], p['tag'], p['treedef'], 0, 'perturb', p.get('ordinal')
-      )
-      self.add_entry(spec, [], where_)
+      self.add_entry(EntrySpec.of_sow(p, 0), [], where_)
       return invals
     if p['kind'] in MARKER_KINDS:
       self.names.setdefault(p['name'], None)
@@ -302,15 +306,7 @@ class Collector:
     ]
     values, closure = invals[:n], invals[n:]
     if p['reduction'] is None:
-      spec = EntrySpec(
-          p['name'],
-          p['tag'],
-          p['treedef'],
-          len(values),
-          p['kind'],
-          p.get('ordinal'),
-      )
-      self.add_entry(spec, values, where_)
+      self.add_entry(EntrySpec.of_sow(p, len(values)), values, where_)
     else:
       self.names.setdefault(p['name'], None)
       self.reduced.fold(
@@ -579,27 +575,9 @@ def edit_plain_sows(
         subst.update(zip(eqn.outvars, operands))
         names.setdefault(p['name'], None)
         if p['kind'] == 'perturb':  # the forward marker (see EntrySpec)
-          entries.append(
-              EntrySpec(
-                  p['name'],
-                  p['tag'],
-                  p['treedef'],
-                  0,
-                  'perturb',
-                  p.get('ordinal'),
-              )
-          )
+          entries.append(EntrySpec.of_sow(p, 0))
         elif p['kind'] not in MARKER_KINDS:
-          entries.append(
-              EntrySpec(
-                  p['name'],
-                  p['tag'],
-                  p['treedef'],
-                  len(operands),
-                  p['kind'],
-                  p.get('ordinal'),
-              )
-          )
+          entries.append(EntrySpec.of_sow(p, len(operands)))
           sown.extend(operands)
         continue
     elif any(

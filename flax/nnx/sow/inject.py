@@ -44,6 +44,7 @@ import jax
 
 from flax.nnx.sow import _jax
 from flax.nnx.sow.capturing import capture as capture_transform
+from flax.nnx.sow.capturing import check_tags
 from flax.nnx.sow.sites import accepts
 from flax.nnx.sow.sites import as_jaxpr
 from flax.nnx.sow.collect import cached
@@ -284,6 +285,10 @@ class Replacements:
             ' inside a loop, as capture returns them). Pass a tuple of that'
             ' length, or strict=False.'
         )
+
+
+# ----------------------------------------------------------------------------
+# A scope evaluated with them.
 
 
 class Injector:
@@ -646,15 +651,7 @@ def intervene(
         f'intervene: f must be callable, got {f!r} of type'
         f' {type(f).__name__}.'
     )
-  if tags is None:
-    accepts_key = None
-  elif isinstance(tags, (str, bytes)) or not isinstance(tags, tp.Iterable):
-    raise TypeError(
-        f'intervene: tags must be None or an iterable of tags, got {tags!r};'
-        f' write tags=({tags!r},) for one tag.'
-    )
-  else:
-    accepts_key = frozenset(tags)
+  accepts_key = check_tags(tags, 'intervene')
 
   inner = getattr(f, '_sow_captured', None)
   if inner is not None and getattr(f, '__wrapped__', None) is not inner[0]:

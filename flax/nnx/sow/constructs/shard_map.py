@@ -32,17 +32,17 @@ invariant is sown as varying: the body is first marked by ``control.py``.
 
 A reduced name keeps one accumulator per shard the same way: outside, it has
 the leading axes of the union of the axes its sites vary over
-(:class:`~flax.nnx.sow.sites.ShardAxes`); it enters the body split by the same spec, so
-each shard folds only its own values. A name new in the scope starts from
-``init_fn()`` run on every shard by a ``shard_map`` with no inputs (the
-function was traced inside the body, under its mesh). Such a name may not
-also be sown outside a ``shard_map``, nor in a ``shard_map`` nested in
-another.
+(:class:`~flax.nnx.sow.sites.ShardAxes`); it enters the body split by the
+same spec, so each shard folds only its own values. A name new in the scope
+starts from ``init_fn()`` run on every shard by a ``shard_map`` with no
+inputs (the function was traced inside the body, under its mesh). Such a
+name may not also be sown outside a ``shard_map``, nor in a ``shard_map``
+nested in another.
 
 ``jax.vmap`` of a ``shard_map`` batches its body, so a value sown there would
 come back with the mapped axis after the mesh axes: a plain sow so batched
-(directly, or hoisted out of a ``scan``/``cond`` by ``scan.py``/``cond.py``) raises
-while a capture stages it.
+(directly, or hoisted out of a ``scan``/``cond`` by ``scan.py``/``cond.py``)
+raises while a capture stages it.
 
 ``intervene``: a callable replacement is applied to each shard's value; an
 array replacement raises ``NotImplementedError`` (replace the value outside
@@ -423,9 +423,10 @@ def _sow_batch(original, axis_data, leaves, dims, **params):
 def _loop_batch(original, axis_data, args, dims, **params):
   """``scan``/``cond`` batching inside a vmapped ``shard_map`` body.
 
-  ``constructs/batched.py`` hoists the plain sows of a batched ``scan`` or ``cond``
-  out of it and sows them again with batch dimensions, which the sow's own
-  batching rule (``_sow_batch``) never sees; such a sow raises here.
+  ``constructs/batched.py`` hoists the plain sows of a batched ``scan`` or
+  ``cond`` out of it and sows them again with batch dimensions, which the
+  sow's own batching rule (``_sow_batch``) never sees; such a sow raises
+  here.
   """
   if _batching.axes and _batched_by_outer_vmap(axis_data):
     for sub in _jax.jaxprs_in_params(params):

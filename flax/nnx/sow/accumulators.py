@@ -21,7 +21,9 @@ starts from the ``init_fn()`` of the name's first site in program order
 ``cond``); every site then folds its value with its own ``reduce_fn``
 (:meth:`Accumulators.fold`). Where a loop or branch holds sites of the name,
 the construct's rule asks for their :class:`ReducedSpec` entries
-(:meth:`Accumulators.specs`), passes the accumulators' leaves as extra inputs
+(:meth:`Accumulators.specs`: :class:`ReducedNames` finds, per name, the site
+that starts it and the mesh axes it is kept per shard over, and checks the
+sites against the scope), passes the accumulators' leaves as extra inputs
 of the rewritten sub-jaxpr (:meth:`Accumulators.leaves`), carries them
 through it with a fixed type, and hands back the new ones
 (:meth:`Accumulators.absorb`). Inside a ``shard_map`` an accumulator has one
@@ -92,9 +94,16 @@ _CARRIED_NOTE = (
 )
 
 
-def _same_types(a, b) -> bool:
-  return len(a) == len(b) and all(
-      x.shape == y.shape and x.dtype == y.dtype for x, y in zip(a, b)
+def _same_type(acc: Accumulator, treedef, avals) -> bool:
+  """Whether ``(treedef, avals)`` has the structure, shapes and dtypes of
+  ``acc``."""
+  old = acc.avals
+  return (
+      treedef == acc.treedef
+      and len(avals) == len(old)
+      and all(
+          x.shape == y.shape and x.dtype == y.dtype for x, y in zip(avals, old)
+      )
   )
 
 
@@ -103,8 +112,134 @@ def _describe(treedef, avals) -> str:
   return f'{treedef} of [{types}]'
 
 
+def _type_error(name, where_, acc: Accumulator, treedef, avals, what_to_do):
+  """The error for a ``reduce_fn`` that changed the type of ``acc``."""
+  return ValueError(
+      f'sow {name!r}{where_}: reduce_fn changed the accumulator from'
+      f' {_describe(acc.treedef, acc.avals)} to {_describe(treedef, avals)}'
+      + what_to_do
+  )
+
+
+def init_reads_body(site: SowSite) -> bool:
+  """Whether the ``init_fn`` of ``site`` reads a value traced inside the
+  construct that holds the sow (so it cannot run before that construct)."""
+  snap = site.reduction.snapshot
+  return snap is not None and bool(snap.n_init_closure)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReducedNames:
+  """The reduced names some sites sow: for each, the site whose ``init_fn()``
+  starts its accumulator and the mesh axes it is kept per shard over.
+
+  Built from the sites of a loop's or branch's sub-jaxprs (:meth:`in_jaxprs`)
+  or of a ``shard_map`` body (:meth:`of`); :meth:`specs` checks them against
+  one scope's :class:`Accumulators` and gives their :class:`ReducedSpec`.
+
+  Attributes:
+    sites: the sites, plain ones included, markers left out, in order.
+    first: per reduced name, the site that starts its accumulator.
+    sharded: per reduced name, the union of the axes its sites vary over
+      inside a ``shard_map`` (``None``: sown outside any).
+  """
+
+  sites: tuple[SowSite, ...]
+  first: dict[Name, SowSite]
+  sharded: dict[Name, ShardAxes | None]
+
+  @classmethod
+  def of(
+      cls,
+      sites: tp.Iterable[SowSite],
+      first: tp.Mapping[Name, SowSite] | None = None,
+  ) -> ReducedNames:
+    """The reduced names of ``sites``; ``first`` may say which site of a name
+    starts its accumulator (by default its first in ``sites``).
+
+    Raises:
+      ValueError: if a name is sown both inside and outside a ``shard_map``,
+        or in ``shard_map``s over different meshes.
+    """
+    sites = tuple(s for s in sites if s.kind not in MARKER_KINDS)
+    first = dict(first or {})
+    sharded: dict[Name, ShardAxes | None] = {}
+    for site in sites:
+      if site.reduction is None:
+        continue
+      first.setdefault(site.name, site)
+      if site.name not in sharded:
+        sharded[site.name] = site.sharded
+        continue
+      seen, here = sharded[site.name], site.sharded
+      if seen is None and here is None:
+        continue
+      both = None if seen is None or here is None else seen.union(here)
+      if both is None:
+        raise _sharded_error(site.name, site.where)
+      sharded[site.name] = both
+    return cls(sites, first, sharded)
+
+  @classmethod
+  def in_jaxprs(cls, jaxprs, takes, branches: bool = False) -> ReducedNames:
+    """The reduced names sown in ``jaxprs`` at the sites ``takes`` accepts.
+
+    A name starts from its first site in :func:`init_order_sites`'s order;
+    ``branches``: ``jaxprs`` are the branches of a ``cond`` (two of them:
+    the second first).
+    """
+    jaxprs = list(jaxprs)
+    order = jaxprs[::-1] if branches and len(jaxprs) == 2 else jaxprs
+    first: dict[Name, SowSite] = {}
+    for j in order:
+      for site in init_order_sites(as_jaxpr(j)):
+        if takes(site):
+          first.setdefault(site.name, site)
+    return cls.of(
+        [s for j in jaxprs for s in sow_sites(as_jaxpr(j)) if takes(s)], first
+    )
+
+  def specs(self, accumulators: Accumulators) -> tuple[ReducedSpec, ...]:
+    """The names' specs in the scope of ``accumulators``, which starts the
+    accumulators of names new there.
+
+    Raises:
+      ValueError: if a name is reduced at one site and plain at another.
+      NotImplementedError: if a new name's ``init_fn`` reads a value traced
+        inside the construct.
+    """
+    specs: dict[Name, ReducedSpec] = {}
+    for site in self.sites:
+      if site.reduction is None:
+        if site.name in accumulators:
+          raise _reduction_error(site.name, site.where)
+        continue
+      if site.name in specs:
+        continue
+      site = self.first[site.name]
+      if site.name not in accumulators and init_reads_body(site):
+        raise NotImplementedError(
+            f'sow {site.name!r}{site.where}: its init_fn reads a value traced'
+            ' inside the construct that holds the sow, but the accumulator'
+            ' is created before the construct runs. Make init_fn return'
+            ' constants (e.g. jnp.zeros(shape)).'
+        )
+      acc = accumulators.start(
+          site.name,
+          site.reduction,
+          (site.eqn.params['treedef'], site.value_avals()),
+          site.where,
+          sharded=self.sharded[site.name],
+      )
+      specs[site.name] = ReducedSpec(
+          site.name, acc.treedef, acc.avals, accumulators.sharded.get(site.name)
+      )
+    return tuple(specs.values())
+
+
 class Accumulators:
-  """The reduced names of one scope (one :class:`Collector`).
+  """The running accumulators of the reduced names of one scope (one
+  :class:`Collector`): started, folded, carried through sub-jaxprs.
 
   Args:
     claim: ``claim(name, kind, where)``, the collector's one-name-one-meaning
@@ -159,8 +294,7 @@ class Accumulators:
                 for x in acc.leaves
             ),
         )
-        self.sharded[name] = sharded
-      self.by_name[name] = acc
+      self.put(name, acc, sharded)
     elif self.sharded.get(name) != sharded:
       raise _sharded_error(name, where_)
     return acc
@@ -185,13 +319,12 @@ class Accumulators:
         for x in leaves
     ]
     closure = list(closure)
-    if batch_dims and closure:
-      # Under vmap every example has its own closure; the accumulator is
-      # created from the first example's.
-      first = [x[(0,) * batch_dims] for x in closure]
-    else:
-      first = closure
+    # Under vmap every example has its own closure; the accumulator is
+    # created from the first example's.
+    first = [x[(0,) * batch_dims] for x in closure] if batch_dims else closure
     acc = self.start(name, reduction, (treedef, value_avals), where_, first)
+    fixed = reduction.fixed_type or batch_dims or not self.python_folds
+    treedef_box = [acc.treedef]
 
     def step(acc_leaves, value_leaves, closure_leaves):
       new_leaves, new_treedef = reductions.fold(
@@ -203,24 +336,20 @@ class Accumulators:
       )
       new_leaves = tuple(strong(x) for x in new_leaves)
       new_avals = tuple(_jax.typeof(x) for x in new_leaves)
-      changed = new_treedef != acc.treedef or not _same_types(
-          new_avals, acc.avals
-      )
-      if changed and (
-          reduction.fixed_type or batch_dims or not self.python_folds
-      ):
-        raise ValueError(
-            f'sow {name!r}{where_}: reduce_fn changed the accumulator from'
-            f' {_describe(acc.treedef, acc.avals)} to'
-            f' {_describe(new_treedef, new_avals)}. The accumulator must keep'
-            ' its structure, shape and dtype; make init_fn() return a value'
-            ' of the type reduce_fn produces (e.g. with the right dtype).'
-            + _CARRIED_NOTE * (not reduction.fixed_type)
+      if fixed and not _same_type(acc, new_treedef, new_avals):
+        raise _type_error(
+            name,
+            where_,
+            acc,
+            new_treedef,
+            new_avals,
+            '. The accumulator must keep its structure, shape and dtype; make'
+            ' init_fn() return a value of the type reduce_fn produces (e.g.'
+            ' with the right dtype).'
+            + _CARRIED_NOTE * (not reduction.fixed_type),
         )
       treedef_box[:] = [new_treedef]
       return new_leaves
-
-    treedef_box = [acc.treedef]
 
     if batch_dims:
       # Values sown under vmap: one reduction per example, in order.
@@ -236,90 +365,9 @@ class Accumulators:
     self.by_name[name] = Accumulator(treedef_box[0], tuple(new_leaves))
 
   def specs(self, jaxprs, *, branches: bool = False) -> tuple[ReducedSpec, ...]:
-    """Specs of the reduced names sown in ``jaxprs``; creates accumulators.
-
-    A name not yet reduced in this scope starts from the ``init_fn()`` of
-    its first site in ``jaxprs`` in :func:`init_order_sites`'s order;
-    ``branches``: ``jaxprs`` are the branches of a ``cond`` (two of them:
-    the second first).
-    """
-    jaxprs = list(jaxprs)
-    order = jaxprs[::-1] if branches and len(jaxprs) == 2 else jaxprs
-    first: dict[Name, SowSite] = {}
-    for j in order:
-      for site in init_order_sites(as_jaxpr(j)):
-        if self._takes(site):
-          first.setdefault(site.name, site)
-    return self.specs_of(
-        [s for j in jaxprs for s in sow_sites(as_jaxpr(j)) if self._takes(s)],
-        first,
-    )
-
-  def specs_of(
-      self,
-      sites: tp.Sequence[SowSite],
-      first: tp.Mapping[Name, SowSite] | None = None,
-  ) -> tuple[ReducedSpec, ...]:
-    """:meth:`specs` for sites found by the caller; ``first`` may
-    say which site of a name starts its accumulator (by default the first
-    in ``sites``)."""
-    sites = [s for s in sites if s.kind not in MARKER_KINDS]
-    # A name sown inside a shard_map is kept per shard over the union of
-    # the axes its sites vary over.
-    sharded: dict[Name, ShardAxes | None] = {}
-    for site in sites:
-      if site.reduction is None:
-        continue
-      if site.name not in sharded:
-        sharded[site.name] = site.sharded
-        continue
-      seen = sharded[site.name]
-      both = (
-          None
-          if seen is None or site.sharded is None
-          else seen.union(site.sharded)
-      )
-      if (seen is None) != (site.sharded is None) or (
-          seen is not None and both is None
-      ):
-        raise _sharded_error(site.name, site.where)
-      sharded[site.name] = both
-    first = dict(first or {})
-    for site in sites:
-      if site.reduction is not None:
-        first.setdefault(site.name, site)
-    specs: dict[Name, ReducedSpec] = {}
-    for site in sites:
-      if site.reduction is None:
-        if site.name in self.by_name:
-          raise _reduction_error(site.name, site.where)
-        continue
-      if site.name in specs:
-        continue
-      site = first[site.name]
-      snap = site.reduction.snapshot
-      if (
-          site.name not in self.by_name
-          and snap is not None
-          and snap.n_init_closure
-      ):
-        raise NotImplementedError(
-            f'sow {site.name!r}{site.where}: its init_fn reads a value traced'
-            ' inside the construct that holds the sow, but the accumulator'
-            ' is created before the construct runs. Make init_fn return'
-            ' constants (e.g. jnp.zeros(shape)).'
-        )
-      acc = self.start(
-          site.name,
-          site.reduction,
-          (site.eqn.params['treedef'], site.value_avals()),
-          site.where,
-          sharded=sharded[site.name],
-      )
-      specs[site.name] = ReducedSpec(
-          site.name, acc.treedef, acc.avals, self.sharded.get(site.name)
-      )
-    return tuple(specs.values())
+    """The specs of the reduced names sown in ``jaxprs``, whose accumulators
+    it starts if new (see :class:`ReducedNames`)."""
+    return ReducedNames.in_jaxprs(jaxprs, self._takes, branches).specs(self)
 
   def vary(
       self, specs: tuple[ReducedSpec, ...], axes: frozenset
@@ -332,15 +380,11 @@ class Accumulators:
     """
     if not axes:
       return specs
-    out = []
     for spec in specs:
       acc = self.by_name[spec.name]
-      acc = Accumulator(
-          acc.treedef, tuple(_jax.pvary(x, tuple(axes)) for x in acc.leaves)
-      )
-      self.by_name[spec.name] = acc
-      out.append(dataclasses.replace(spec, avals=acc.avals))
-    return tuple(out)
+      leaves = tuple(_jax.pvary(x, tuple(axes)) for x in acc.leaves)
+      self.by_name[spec.name] = Accumulator(acc.treedef, leaves)
+    return self.current(specs)
 
   def leaves(self, specs: tp.Sequence[ReducedSpec]) -> list:
     return [x for s in specs for x in self.by_name[s.name].leaves]
@@ -357,17 +401,17 @@ class Accumulators:
     if (
         not self.python_folds
         and acc is not None
-        and (
-            spec.treedef != acc.treedef
-            or not _same_types(spec.avals, acc.avals)
-        )
+        and not _same_type(acc, spec.treedef, spec.avals)
     ):
-      raise ValueError(
-          f'sow {spec.name!r}: reduce_fn changed the accumulator from'
-          f' {_describe(acc.treedef, acc.avals)} to'
-          f' {_describe(spec.treedef, spec.avals)} inside a `jax.jit`'
-          ' within a loop or branch, which carries it with a fixed type.'
-          ' Make init_fn() return a value of the type reduce_fn produces.'
+      raise _type_error(
+          spec.name,
+          '',
+          acc,
+          spec.treedef,
+          spec.avals,
+          ' inside a `jax.jit` within a loop or branch, which carries it with'
+          ' a fixed type. Make init_fn() return a value of the type reduce_fn'
+          ' produces.',
       )
     self.by_name[spec.name] = Accumulator(spec.treedef, tuple(leaves))
 
@@ -383,11 +427,10 @@ class Accumulators:
   def current(self, specs: tp.Sequence[ReducedSpec]) -> tuple[ReducedSpec, ...]:
     """``specs`` with the accumulators' types as they are now."""
     return tuple(
-        ReducedSpec(
-            s.name,
-            self.by_name[s.name].treedef,
-            self.by_name[s.name].avals,
-            s.sharded,
+        dataclasses.replace(
+            s,
+            treedef=self.by_name[s.name].treedef,
+            avals=self.by_name[s.name].avals,
         )
         for s in specs
     )

@@ -32,17 +32,17 @@ invariant is sown as varying: the body is first marked by ``control.py``.
 
 A reduced name keeps one accumulator per shard the same way: outside, it has
 the leading axes of the union of the axes its sites vary over
-(:class:`~flax.nnx.sow.sites.ShardAxes`); it enters the body split by the same spec, so
-each shard folds only its own values. A name new in the scope starts from
-``init_fn()`` run on every shard by a ``shard_map`` with no inputs (the
-function was traced inside the body, under its mesh). Such a name may not
-also be sown outside a ``shard_map``, nor in a ``shard_map`` nested in
-another.
+(:class:`~flax.nnx.sow.sites.ShardAxes`); it enters the body split by the
+same spec, so each shard folds only its own values. A name new in the scope
+starts from ``init_fn()`` run on every shard by a ``shard_map`` with no
+inputs (the function was traced inside the body, under its mesh). Such a
+name may not also be sown outside a ``shard_map``, nor in a ``shard_map``
+nested in another.
 
 ``jax.vmap`` of a ``shard_map`` batches its body, so a value sown there would
 come back with the mapped axis after the mesh axes: a plain sow so batched
-(directly, or hoisted out of a ``scan``/``cond`` by ``scan.py``/``cond.py``) raises
-while a capture stages it.
+(directly, or hoisted out of a ``scan``/``cond`` by ``scan.py``/``cond.py``)
+raises while a capture stages it.
 
 ``intervene``: a callable replacement is applied to each shard's value; an
 array replacement raises ``NotImplementedError`` (replace the value outside
@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import typing as tp
 
 import jax
 from jax.sharding import PartitionSpec
@@ -62,9 +61,10 @@ from flax.nnx.sow import _jax
 from flax.nnx.sow import _jax_patches
 from flax.nnx.sow import control as control_lib
 from flax.nnx.sow import reductions
+from flax.nnx.sow.accumulators import ReducedNames
+from flax.nnx.sow.accumulators import init_reads_body
 from flax.nnx.sow.collect import Collector
 from flax.nnx.sow.collect import Layout
-from flax.nnx.sow.sites import ShardAxes
 from flax.nnx.sow.collect import cached
 from flax.nnx.sow.collect import collect_rules
 from flax.nnx.sow.collect import eval_collecting
@@ -76,6 +76,7 @@ from flax.nnx.sow.primitive import sow_p
 from flax.nnx.sow.primitive import staging_active
 from flax.nnx.sow.primitive import staging_captures
 from flax.nnx.sow.reductions import Accumulator
+from flax.nnx.sow.sites import ShardAxes
 from flax.nnx.sow.sites import SowSite
 from flax.nnx.sow.sites import accepts
 from flax.nnx.sow.sites import construct_names
@@ -145,9 +146,9 @@ def _shard_map_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
           ' from the inner one), or drop reduce_fn/init_fn to collect the'
           ' values.'
       )
-  sites = [_annotate(eqn, s) for s in sites]
-  _start_accumulators(collector, eqn, sites)
-  specs = collector.reduced.specs_of(sites)
+  names = ReducedNames.of(_annotate(eqn, s) for s in sites)
+  _start_accumulators(collector, eqn, names)
+  specs = names.specs(collector.reduced)
   rewritten = cached(
       body,
       (
@@ -160,51 +161,64 @@ def _shard_map_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
       ),
       lambda: _rewrite_body(body, collector.accepts_key, specs, p),
   )
-  jaxpr, consts, const_specs, acc_specs, extra_specs, layout = rewritten
+  jaxpr, consts, acc_specs, extra_specs, layout = rewritten
   acc_in = collector.reduced.leaves(specs)
   acc_in = [_place(x, spec, p['mesh']) for x, spec in zip(acc_in, acc_specs)]
-  new_params = dict(
-      p,
-      jaxpr=jaxpr,
-      in_specs=(*const_specs, *acc_specs, *p['in_specs']),
-      out_specs=(*p['out_specs'], *extra_specs),
-  )
-  outs = _jax.bind_equation(
-      eqn.replace(params=new_params), [*consts, *acc_in, *invals]
+  outs = _bind_rewritten(
+      eqn,
+      jaxpr,
+      consts,
+      invals,
+      leading=acc_in,
+      leading_specs=acc_specs,
+      out_specs=extra_specs,
   )
   return collector.split_outputs(layout, outs, len(eqn.outvars))
 
 
-def _start_accumulators(collector: Collector, eqn: _jax.JaxprEqn, sites):
+def _bind_rewritten(
+    eqn, jaxpr, consts, invals, *, leading=(), leading_specs=(), out_specs=()
+):
+  """Binds ``eqn``'s ``shard_map`` with ``jaxpr``, its body rewritten to take
+  ``[*consts, *leading, *inputs]`` and return ``[*outputs, *extra]``.
+
+  The one binder of the capture and intervene rules: ``consts`` enter
+  replicated, ``leading`` split as ``leading_specs`` say, and the extra
+  outputs leave as ``out_specs`` says (``in_specs`` and ``out_specs`` are
+  the parameters of a ``shard_map`` with one entry per input or output).
+  """
+  p = eqn.params
+  const_specs = tuple(_jax.replicated_spec(_jax.typeof(c)) for c in consts)
+  params = dict(
+      p,
+      jaxpr=jaxpr,
+      in_specs=(*const_specs, *leading_specs, *p['in_specs']),
+      out_specs=(*p['out_specs'], *out_specs),
+  )
+  return _jax.bind_equation(
+      eqn.replace(params=params), [*consts, *leading, *invals]
+  )
+
+
+def _start_accumulators(
+    collector: Collector, eqn: _jax.JaxprEqn, names: ReducedNames
+):
   """Starts, one per shard, the accumulators of names new in this scope.
 
   ``init_fn()`` was traced inside the ``shard_map`` body, so it runs there:
   a ``shard_map`` with no inputs returns each shard's ``init_fn()`` with the
-  leading axes of the name (:class:`~flax.nnx.sow.sites.ShardAxes`), laid out over the
-  mesh like the accumulator it starts. Names the collector already holds,
-  and those whose ``init_fn`` reads values traced in the body, are left to
-  :meth:`Accumulators.specs_of` (which continues or refuses them).
+  leading axes of the name (:class:`~flax.nnx.sow.sites.ShardAxes`), laid out
+  over the mesh like the accumulator it starts. Names the collector already
+  holds, and those whose ``init_fn`` reads values traced in the body, are
+  left to :meth:`~flax.nnx.sow.accumulators.ReducedNames.specs` (which
+  continues or refuses them).
   """
-  first: dict[tp.Any, SowSite] = {}
-  axes: dict[tp.Any, ShardAxes] = {}
-  for site in sites:
-    if site.reduction is None or site.kind in MARKER_KINDS:
-      continue
-    if site.name not in first:
-      first[site.name] = site
-      axes[site.name] = site.sharded
-    else:
-      both = axes[site.name].union(site.sharded)
-      axes[site.name] = both if both is not None else axes[site.name]
   new = [
       site
-      for name, site in first.items()
+      for name, site in names.first.items()
       if name not in collector.reduced
       and name not in collector.plain_names
-      and not (
-          site.reduction.snapshot is not None
-          and site.reduction.snapshot.n_init_closure
-      )
+      and not init_reads_body(site)
   ]
   if not new:
     return
@@ -219,10 +233,10 @@ def _start_accumulators(collector: Collector, eqn: _jax.JaxprEqn, sites):
           site.reduction, site.eqn.params['treedef'], site.value_avals()
       )
       treedefs.append((acc.treedef, len(acc.leaves)))
-      names = axes[site.name].axes
+      axes = names.sharded[site.name].axes
       for x in acc.leaves:
-        x = _jax.pvary(x, names)
-        out.append(x.reshape((1,) * len(names) + x.shape))
+        x = _jax.pvary(x, axes)
+        out.append(x.reshape((1,) * len(axes) + x.shape))
     return out
 
   with _jax.shard_map_context(
@@ -231,7 +245,7 @@ def _start_accumulators(collector: Collector, eqn: _jax.JaxprEqn, sites):
     closed = _jax.trace_to_closed_jaxpr(init_body, [], 'shard_map_init')
     jaxpr, consts = _jax.close_over_nothing(closed)
   out_specs = tuple(
-      PartitionSpec(*axes[site.name].axes)
+      PartitionSpec(*names.sharded[site.name].axes)
       for site, (_, n) in zip(new, treedefs)
       for _ in range(n)
   )
@@ -241,12 +255,10 @@ def _start_accumulators(collector: Collector, eqn: _jax.JaxprEqn, sites):
       in_specs=tuple(_jax.replicated_spec(_jax.typeof(c)) for c in consts),
       out_specs=out_specs,
   )
-  leaves = _jax.bind_equation(eqn.replace(params=params), consts)
-  pos = 0
+  leaves = iter(_jax.bind_equation(eqn.replace(params=params), consts))
   for site, (treedef, n) in zip(new, treedefs):
-    acc = Accumulator(treedef, tuple(leaves[pos : pos + n]))
-    collector.reduced.put(site.name, acc, axes[site.name])
-    pos += n
+    acc = Accumulator(treedef, tuple(next(leaves) for _ in range(n)))
+    collector.reduced.put(site.name, acc, names.sharded[site.name])
 
 
 def _place(x, spec: PartitionSpec, mesh):
@@ -277,8 +289,8 @@ def _padded(spec: PartitionSpec, ndim: int) -> tuple:
 def _rewrite_body(body: _jax.Jaxpr, accepts_key, specs, params):
   """The body with the collected values as extra, per-shard outputs.
 
-  Returns ``(jaxpr, consts, const_specs, acc_specs, extra_specs, layout)``:
-  the new body takes ``[*consts, *accumulators, *inputs]``.
+  Returns ``(jaxpr, consts, acc_specs, extra_specs, layout)``: the new body
+  takes ``[*consts, *accumulators, *inputs]``.
   """
   mesh, manual = params['mesh'], params['newly_manual_axes']
   check_vma = params['check_vma']
@@ -333,9 +345,8 @@ def _rewrite_body(body: _jax.Jaxpr, accepts_key, specs, params):
         fn, [*acc_local, *body.in_avals], 'shard_map_capture'
     )
     jaxpr, consts = _jax.close_over_nothing(closed)
-  const_specs = tuple(_jax.replicated_spec(_jax.typeof(c)) for c in consts)
   layout, extra_specs = box[-1]
-  return jaxpr, consts, const_specs, acc_specs, extra_specs, layout
+  return jaxpr, consts, acc_specs, extra_specs, layout
 
 
 collect_rules[_jax.shard_map_p] = _shard_map_capture
@@ -412,9 +423,10 @@ def _sow_batch(original, axis_data, leaves, dims, **params):
 def _loop_batch(original, axis_data, args, dims, **params):
   """``scan``/``cond`` batching inside a vmapped ``shard_map`` body.
 
-  ``constructs/batched.py`` hoists the plain sows of a batched ``scan`` or ``cond``
-  out of it and sows them again with batch dimensions, which the sow's own
-  batching rule (``_sow_batch``) never sees; such a sow raises here.
+  ``constructs/batched.py`` hoists the plain sows of a batched ``scan`` or
+  ``cond`` out of it and sows them again with batch dimensions, which the
+  sow's own batching rule (``_sow_batch``) never sees; such a sow raises
+  here.
   """
   if _batching.axes and _batched_by_outer_vmap(axis_data):
     for sub in _jax.jaxprs_in_params(params):
@@ -461,9 +473,7 @@ def _shard_map_intervene(injector, eqn, invals):
   jaxpr, consts = cached_rewrite(
       body, key, injector.fns_in(body), build, injector.token
   )
-  const_specs = tuple(_jax.replicated_spec(_jax.typeof(c)) for c in consts)
-  new_params = dict(p, jaxpr=jaxpr, in_specs=(*const_specs, *p['in_specs']))
-  return _jax.bind_equation(eqn.replace(params=new_params), [*consts, *invals])
+  return _bind_rewritten(eqn, jaxpr, consts, invals)
 
 
 intervene_rules[_jax.shard_map_p] = _shard_map_intervene

@@ -281,6 +281,7 @@ def _cond_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
   specs = collector.reduced.vary(
       collector.reduced.specs(branches, branches=True), axes
   )
+  acc_in = collector.reduced.leaves(specs)
   # A perturb's forward marker returns nothing; one branch may hold it and
   # another not (its cotangents, if any, are aligned like values).
   new_branches, layout = align_branches(
@@ -288,7 +289,6 @@ def _cond_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
       len(eqn.outvars),
       branches,
   )
-  acc_in = collector.reduced.leaves(specs)
   outs, extra = _bind_cond(eqn, invals, new_branches, leading=acc_in)
   if axes:
     extra = [_jax.pvary(x, tuple(axes)) for x in extra]

@@ -24,8 +24,8 @@ here keep the equation's own parameters consistent with that:
   so an eagerly run construct keeps no array alive in JAX's executable cache;
   :func:`branches_hoisted` for the branches of a ``cond``.
 * :func:`permuted`: a body with its binders and outputs reordered, without
-  re-tracing (JAX's ``scan``/``while`` fix the order of consts, carries and
-  xs).
+  re-tracing; :func:`carries_moved` for the extra carries of a loop body
+  (JAX's ``scan``/``while`` fix the order of consts, carries and xs).
 * :func:`with_unused_inputs`: a body given inputs it ignores (a ``while``
   predicate next to the accumulators, a ``cond`` branch next to another
   branch's constants).
@@ -69,6 +69,28 @@ def permuted(closed: _jax.ClosedJaxpr, in_order, out_order):
       ),
       closed.consts,
   )
+
+
+def carries_moved(body: _jax.ClosedJaxpr, n_consts: int, n_extra: int):
+  """A loop body's extra carries moved to where ``scan`` and ``while`` take
+  them (cached, without re-tracing).
+
+  ``body`` takes ``[*extra, *consts, *rest]`` and returns ``[*outs, *extra]``,
+  as a capture's rewrite does (accumulators first in, last out); the result
+  takes ``[*consts, *extra, *rest]`` and returns ``[*extra, *outs]``, the
+  extra carries ahead of the loop's own.
+  """
+
+  def build():
+    n_in, n_out = len(body.in_avals), len(body.out_avals)
+    in_order = [
+        n_consts + j if j < n_extra else j - n_extra
+        for j in range(n_extra + n_consts)
+    ] + list(range(n_extra + n_consts, n_in))
+    out_order = [*range(n_out - n_extra, n_out), *range(n_out - n_extra)]
+    return permuted(body, in_order, out_order)
+
+  return cached(body, ('carries_moved', n_consts, n_extra), build)
 
 
 def with_unused_inputs(closed: _jax.ClosedJaxpr, avals, at: int):

@@ -80,14 +80,16 @@ from flax.nnx.sow.sites import sow_sites
 # cond / switch
 
 
-def _entry_keys(layout: Layout) -> list[tuple[tp.Any, int]]:
-  """``(name, k)`` for the ``k``-th entry of each name, in layout order."""
+def _entry_positions(layout: Layout, n_out: int) -> dict:
+  """``{(name, k): (spec, first output)}`` for the ``k``-th entry of each
+  name, in layout order; the entries follow the ``n_out`` outputs."""
   seen = collections.Counter()
-  keys = []
+  pos, where = n_out, {}
   for spec in layout.entries:
-    keys.append((spec.name, seen[spec.name]))
+    where[spec.name, seen[spec.name]] = (spec, pos)
     seen[spec.name] += 1
-  return keys
+    pos += spec.size
+  return where
 
 
 def _branch_mismatch(name, branch, what, sources):
@@ -140,46 +142,65 @@ def align_branches(
     ValueError: if the branches do not sow the same plain names the same
       number of times with the same structure, shapes and dtypes.
   """
-  placed = []  # per branch: {(name, k): (spec, first output position)}
-  for closed, layout in rewritten:
-    pos, where = n_out, {}
-    for key, spec in zip(_entry_keys(layout), layout.entries):
-      where[key] = (spec, pos)
-      pos += spec.size
-    placed.append(where)
-  keys0 = _entry_keys(rewritten[0][1])
-  first = placed[0]
-  count0 = collections.Counter(spec.name for spec in rewritten[0][1].entries)
-  for i, where in enumerate(placed[1:], 1):
-    count = collections.Counter(spec.name for spec in rewritten[i][1].entries)
-    for name in {**count0, **count}:
-      if count[name] != count0[name]:
-        raise _branch_mismatch(
-            name,
-            i,
-            f'sows it {count[name]} time(s) but branch 0 sows it'
-            f' {count0[name]} time(s)',
-            sources,
-        )
-    for key in keys0:
-      (s0, p0), (si, pi) = first[key], where[key]
-      a0 = _strong_avals(rewritten[0][0].out_avals[p0 : p0 + s0.size])
-      ai = _strong_avals(rewritten[i][0].out_avals[pi : pi + si.size])
-      if s0.treedef != si.treedef or a0 != ai:
-        raise _branch_mismatch(
-            key[0],
-            i,
-            f'sows {si.treedef} of {[a.str_short() for a in ai]} but branch'
-            f' 0 sows {s0.treedef} of {[a.str_short() for a in a0]}',
-            sources,
-        )
+  placed = [_entry_positions(layout, n_out) for _, layout in rewritten]
+  for i in range(1, len(rewritten)):
+    _check_like_branch_0(rewritten, placed, i, sources)
+  varying = _varying_entry_axes(rewritten, placed)
+  branches = tuple(
+      cached(
+          closed,
+          ('cond', n_out, tuple(placed[0])),
+          lambda c=closed, l=layout, w=where: _aligned(c, l, w, n_out, varying),
+      )
+      for (closed, layout), where in zip(rewritten, placed)
+  )
+  names = {n: None for _, layout in rewritten for n in layout.names}
+  shared = dataclasses.replace(rewritten[0][1], names=tuple(names))
+  return branches, shared
 
-  # Inside shard_map, a branch may sow a value that varies over mesh axes
-  # where another sows one that does not (zeros, say): each entry leaf
-  # varies over the axes it varies over in any branch.
+
+def _check_like_branch_0(rewritten, placed, i: int, sources) -> None:
+  """Raises unless branch ``i`` sows the plain names branch 0 sows, as many
+  times, with the same structure, shapes and dtypes."""
+  count0 = collections.Counter(name for name, _ in placed[0])
+  count = collections.Counter(name for name, _ in placed[i])
+  for name in {**count0, **count}:
+    if count[name] != count0[name]:
+      raise _branch_mismatch(
+          name,
+          i,
+          f'sows it {count[name]} time(s) but branch 0 sows it'
+          f' {count0[name]} time(s)',
+          sources,
+      )
+  (closed0, _), (closed, _) = rewritten[0], rewritten[i]
+  for key, (s0, p0) in placed[0].items():
+    si, pi = placed[i][key]
+    a0 = _strong_avals(closed0.out_avals[p0 : p0 + s0.size])
+    ai = _strong_avals(closed.out_avals[pi : pi + si.size])
+    if s0.treedef != si.treedef or a0 != ai:
+      raise _branch_mismatch(
+          key[0],
+          i,
+          f'sows {si.treedef} of {[a.str_short() for a in ai]} but branch'
+          f' 0 sows {s0.treedef} of {[a.str_short() for a in a0]}',
+          sources,
+      )
+
+
+def _strong_avals(avals):
+  # Compared without the mesh axes they vary over (see ``align_branches``).
+  return [_jax.invariant_aval(a.strip_weak_type()) for a in avals]
+
+
+def _varying_entry_axes(rewritten, placed) -> dict:
+  """For each entry (in branch 0's order), the mesh axes each of its leaves
+  varies over in any branch: inside ``shard_map``, a branch may sow a value
+  that varies over mesh axes where another sows one that does not (zeros,
+  say)."""
   mesh_order = _jax.current_mesh_axes()
   varying = {}
-  for key in keys0:
+  for key in placed[0]:
     per_branch = []
     for (closed, _), where in zip(rewritten, placed):
       spec, pos = where[key]
@@ -192,43 +213,64 @@ def align_branches(
         )
         for avals in zip(*per_branch)
     ]
+  return varying
 
-  def build(closed, layout, where):
-    order = list(range(n_out))
-    axes = [()] * n_out
-    for key in keys0:
-      spec, pos = where[key]
-      order.extend(range(pos, pos + spec.size))
-      axes.extend(varying[key])
-    end = n_out + layout.num_entry_leaves
-    order.extend(range(end, end + layout.num_accumulator_leaves))
-    axes.extend([()] * layout.num_accumulator_leaves)
 
-    def fn(*args):
-      outs = _jax.eval_closed(closed, args)
-      return [
-          _jax.pvary(strong(outs[i]), a) if i >= n_out else outs[i]
-          for i, a in zip(order, axes)
-      ]
+def _aligned(closed, layout: Layout, where: dict, n_out: int, varying: dict):
+  """``closed`` returning its outputs, its entries in the order of
+  ``varying`` (strong, varying over its axes), then its accumulators."""
+  order, axes = list(range(n_out)), [()] * n_out
+  for key, leaf_axes in varying.items():
+    spec, pos = where[key]
+    order.extend(range(pos, pos + spec.size))
+    axes.extend(leaf_axes)
+  end = n_out + layout.num_entry_leaves
+  order.extend(range(end, end + layout.num_accumulator_leaves))
+  axes.extend([()] * layout.num_accumulator_leaves)
 
-    return _jax.trace_to_closed_jaxpr(fn, closed.in_avals, 'cond_capture')
+  def fn(*args):
+    outs = _jax.eval_closed(closed, args)
+    return [
+        _jax.pvary(strong(outs[i]), a) if i >= n_out else outs[i]
+        for i, a in zip(order, axes)
+    ]
 
-  branches = tuple(
-      cached(
-          closed,
-          ('cond', n_out, tuple(keys0)),
-          lambda c=closed, l=layout, w=where: build(c, l, w),
-      )
-      for (closed, layout), where in zip(rewritten, placed)
+  return _jax.trace_to_closed_jaxpr(fn, closed.in_avals, 'cond_capture')
+
+
+def _bind_cond(
+    eqn: _jax.JaxprEqn, invals, branches, *, leading=(), trailing=()
+):
+  """``eqn``'s ``cond`` bound again with ``branches`` and extra operands.
+
+  The binders both rules add, as checkify makes every branch return its
+  error value: a capture passes accumulators as leading operands,
+  ``intervene`` replacements as trailing ones. Every branch's constants
+  become leading operands (:func:`branches_hoisted`).
+
+  Args:
+    eqn: the ``cond`` equation.
+    invals: its operands, ``[index, *operands]``.
+    branches: each taking ``[*leading, *operands, *trailing]`` and returning
+      ``[*outputs, *extra outputs]``, the same extra outputs in every branch.
+    leading: the extra operands before the equation's own.
+    trailing: the extra operands after them.
+
+  Returns:
+    ``(outputs, extra outputs)``.
+  """
+  branches, consts = branches_hoisted(branches)
+  index, *ops = invals
+  outs = _jax.cond_p.bind(
+      index,
+      *consts,
+      *leading,
+      *ops,
+      *trailing,
+      **dict(eqn.params, branches=branches),
   )
-  names = {n: None for _, layout in rewritten for n in layout.names}
-  shared = dataclasses.replace(rewritten[0][1], names=tuple(names))
-  return branches, shared
-
-
-def _strong_avals(avals):
-  # Compared without the mesh axes they vary over (see ``align_branches``).
-  return [_jax.invariant_aval(a.strip_weak_type()) for a in avals]
+  n_out = len(eqn.outvars)
+  return outs[:n_out], outs[n_out:]
 
 
 def _cond_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
@@ -240,26 +282,27 @@ def _cond_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
       collector.reduced.specs(branches, branches=True), axes
   )
   acc_in = collector.reduced.leaves(specs)
-  n_out = len(eqn.outvars)
   # A perturb's forward marker returns nothing; one branch may hold it and
   # another not (its cotangents, if any, are aligned like values).
   new_branches, layout = align_branches(
       [_without_markers(*collector.rewrite(b, specs)) for b in branches],
-      n_out,
+      len(eqn.outvars),
       branches,
   )
-  new_branches, lifted = branches_hoisted(new_branches)
-  index, ops = invals[0], invals[1:]
-  outs = _jax.cond_p.bind(
-      index,
-      *lifted,
-      *acc_in,
-      *ops,
-      **dict(eqn.params, branches=new_branches),
-  )
+  outs, extra = _bind_cond(eqn, invals, new_branches, leading=acc_in)
   if axes:
-    outs = [*outs[:n_out], *(_jax.pvary(x, tuple(axes)) for x in outs[n_out:])]
-  return collector.split_outputs(layout, outs, n_out)
+    extra = [_jax.pvary(x, tuple(axes)) for x in extra]
+  collector.absorb(layout, extra)
+  return outs
+
+
+def _cond_intervene(injector, eqn, invals):
+  branches = eqn.params['branches']
+  leaves, spec = injector.take(injector.branch_consumed(branches))
+  avals = [_jax.typeof(x) for x in leaves]
+  new = tuple(injector.rewrite(b, spec, avals) for b in branches)
+  outs, _ = _bind_cond(eqn, invals, new, trailing=leaves)
+  return outs
 
 
 def _without_markers(closed, layout: Layout):
@@ -268,6 +311,7 @@ def _without_markers(closed, layout: Layout):
 
 
 collect_rules[_jax.cond_p] = _cond_capture
+intervene_rules[_jax.cond_p] = _cond_intervene
 construct_names[_jax.cond_p] = '`lax.cond`/`lax.switch`'
 site_annotations[_jax.cond_p] = lambda eqn, site: control_axes(
     _jax.varying_axes(eqn.invars[0].aval), site
@@ -295,22 +339,6 @@ def _cond_control(control, eqn, in_axes, scope, edit):
 
 
 control_rules[_jax.cond_p] = _cond_control
-
-
-def _cond_intervene(injector, eqn, invals):
-  p = eqn.params
-  branches = p['branches']
-  leaves, spec = injector.take(injector.branch_consumed(branches))
-  avals = [_jax.typeof(x) for x in leaves]
-  new = tuple(injector.rewrite(b, spec, avals) for b in branches)
-  new, consts = branches_hoisted(new)
-  index, *ops = invals
-  return _jax.cond_p.bind(
-      index, *consts, *ops, *leaves, **dict(p, branches=new)
-  )
-
-
-intervene_rules[_jax.cond_p] = _cond_intervene
 
 
 def _cond_batcher(jax_rule, axis_data, args, dims, *, branches, **params):
@@ -422,46 +450,7 @@ def _hoist_reduced(branches):
     NotImplementedError: for a staged reduced sow nested in a construct
       inside a branch.
   """
-  edits = []
-  for closed in branches:
-    jaxpr = closed.jaxpr
-    subst, eqns, found, outs = {}, [], [], []
-    for eqn in jaxpr.eqns:
-      p = eqn.params
-      if (
-          eqn.primitive is sow_p
-          and p['reduction'] is not None
-          and p['effect']
-          and not p['remat_copy']
-          and p['kind'] not in MARKER_KINDS
-      ):
-        operands = renamed(eqn.invars, subst)
-        subst.update(zip(eqn.outvars, operands))
-        found.append((p, tuple(v.aval for v in eqn.invars)))
-        outs.extend(operands)
-        continue
-      nested = [
-          s
-          for j in _jax.jaxprs_in_params(p)
-          for s in sow_sites(j)
-          if s.reduction is not None
-          and s.eqn.params['effect']
-          and s.kind not in MARKER_KINDS
-      ]
-      if nested:
-        raise NotImplementedError(
-            f'sow {nested[0].name!r}{nested[0].where}: a reduced sow nested'
-            ' in a construct inside a `lax.cond`/`lax.switch` branch whose'
-            ' predicate `jax.vmap` batches cannot be collected per example.'
-            ' Sow it directly in the branch, or put the vmap around the'
-            ' capture (jax.vmap(capture(f))).'
-        )
-      if subst:
-        eqn = eqn.replace(invars=renamed(eqn.invars, subst))
-      eqns.append(eqn)
-    outvars = renamed(jaxpr.outvars, subst)
-    edited = _jax.edit_jaxpr(jaxpr, eqns, [*outvars, *outs])
-    edits.append((_jax.ClosedJaxpr(edited, closed.consts), found))
+  edits = [_reduced_sows_out(closed) for closed in branches]
   if not any(found for _, found in edits):
     return None
   sites = [
@@ -490,6 +479,55 @@ def _hoist_reduced(branches):
         _jax.trace_to_closed_jaxpr(fn, branches[b].in_avals, 'cond_reduced')
     )
   return tuple(new), sites
+
+
+def _reduced_sows_out(closed: _jax.ClosedJaxpr):
+  """``(branch, found)``: ``closed`` without its top-level reduced sows,
+  returning their operands after its outputs, and ``(params, operand
+  avals)`` of each, in program order."""
+  jaxpr = closed.jaxpr
+  subst, eqns, found, operands_out = {}, [], [], []
+  for eqn in jaxpr.eqns:
+    p = eqn.params
+    if (
+        eqn.primitive is sow_p
+        and p['reduction'] is not None
+        and p['effect']
+        and not p['remat_copy']
+        and p['kind'] not in MARKER_KINDS
+    ):
+      operands = renamed(eqn.invars, subst)
+      subst.update(zip(eqn.outvars, operands))
+      found.append((p, tuple(v.aval for v in eqn.invars)))
+      operands_out.extend(operands)
+      continue
+    _check_no_nested_reduced(p)
+    if subst:
+      eqn = eqn.replace(invars=renamed(eqn.invars, subst))
+    eqns.append(eqn)
+  outvars = [*renamed(jaxpr.outvars, subst), *operands_out]
+  edited = _jax.edit_jaxpr(jaxpr, eqns, outvars)
+  return _jax.ClosedJaxpr(edited, closed.consts), found
+
+
+def _check_no_nested_reduced(params: dict) -> None:
+  """Raises for a staged reduced sow in the sub-jaxprs of an equation."""
+  nested = [
+      s
+      for j in _jax.jaxprs_in_params(params)
+      for s in sow_sites(j)
+      if s.reduction is not None
+      and s.eqn.params['effect']
+      and s.kind not in MARKER_KINDS
+  ]
+  if nested:
+    raise NotImplementedError(
+        f'sow {nested[0].name!r}{nested[0].where}: a reduced sow nested'
+        ' in a construct inside a `lax.cond`/`lax.switch` branch whose'
+        ' predicate `jax.vmap` batches cannot be collected per example.'
+        ' Sow it directly in the branch, or put the vmap around the'
+        ' capture (jax.vmap(capture(f))).'
+    )
 
 
 def _with_init_reductions(branches) -> list:

@@ -48,11 +48,10 @@ import threading
 from flax.nnx.sow import _jax
 from flax.nnx.sow import _jax_patches
 from flax.nnx.sow.collect import Collector
-from flax.nnx.sow.collect import cached
 from flax.nnx.sow.collect import collect_rules
 from flax.nnx.sow.collect import rewrite_jaxpr
+from flax.nnx.sow.constructs.adapter import carries_moved
 from flax.nnx.sow.constructs.adapter import hoisted
-from flax.nnx.sow.constructs.adapter import permuted
 from flax.nnx.sow.constructs.batched import has_plain_sows
 from flax.nnx.sow.constructs.batched import kept_in_place
 from flax.nnx.sow.constructs.batched import mark_order
@@ -72,55 +71,66 @@ from flax.nnx.sow.sites import sow_sites
 # scan
 
 
-def _scan_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
+def _bind_scan(eqn: _jax.JaxprEqn, invals, body, *, carry=(), xs=()):
+  """``eqn``'s ``scan`` bound again with ``body``, extra carries and xs.
+
+  The binders both rules add, as checkify threads its error value: a
+  capture carries accumulators, ``intervene`` feeds replacements as xs.
+  The body's constants become leading consts (:func:`hoisted`).
+
+  Args:
+    eqn: the ``scan`` equation.
+    invals: its operands, ``[*consts, *carries, *xs]``.
+    body: taking ``[*extra carries, *consts, *carries, *xs, *extra xs]``
+      and returning ``[*carries, *ys, *extra ys, *extra carries]``, the
+      order in which :meth:`Collector.rewrite` and :func:`one_body` add
+      binders.
+    carry: the extra carries' initial values.
+    xs: the extra xs, one row per iteration.
+
+  Returns:
+    ``(outputs, extra carries out, extra ys)``.
+  """
   p = eqn.params
-  body = p['jaxpr']
-  n_consts, n_carry = p['num_consts'], p['num_carry']
-  rewritten, layout, acc_in = collector.prepare(body)
-  n_acc = len(acc_in)
-  n_body_in = len(body.in_avals)
-  n_carry_out = n_carry
-  n_ys = len(body.out_avals) - n_carry
-  n_entries = layout.num_entry_leaves
-
-  def build():
-    # rewritten: [acc, consts, carry, xs] -> [carry, ys, entries, acc]
-    # scan body: [consts, acc, carry, xs] -> [acc, carry, ys, entries]
-    in_order = [n_consts + i for i in range(n_acc)] + [
-        i if i < n_consts else i + n_acc for i in range(n_body_in)
-    ]
-    base = n_carry_out + n_ys
-    out_order = (
-        [base + n_entries + i for i in range(n_acc)]
-        + list(range(n_carry_out + n_ys))
-        + [base + i for i in range(n_entries)]
-    )
-    return permuted(rewritten, in_order, out_order)
-
-  new_body, lifted = hoisted(
-      cached(rewritten, ('scan', n_consts, n_carry, n_acc, n_ys), build)
-  )
-  consts, rest = invals[:n_consts], invals[n_consts:]
+  n_consts, n_carry, n_acc = p['num_consts'], p['num_carry'], len(carry)
+  if carry:
+    body = carries_moved(body, n_consts, n_acc)
+  body, lifted = hoisted(body)
   outs = _jax.scan_p.bind(
       *lifted,
-      *consts,
-      *acc_in,
-      *rest,
+      *invals[:n_consts],
+      *carry,
+      *invals[n_consts:],
+      *xs,
       **dict(
           p,
-          jaxpr=new_body,
+          jaxpr=body,
           num_consts=len(lifted) + n_consts,
           num_carry=n_carry + n_acc,
       ),
   )
-  acc_out = outs[:n_acc]
-  ordinary = outs[n_acc : n_acc + n_carry + n_ys]
-  entries = outs[n_acc + n_carry + n_ys :]
+  n_out = n_acc + len(eqn.outvars)
+  return outs[n_acc:n_out], outs[:n_acc], outs[n_out:]
+
+
+def _scan_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
+  # [acc, consts, carry, xs] -> [carry, ys, entries, acc]
+  rewritten, layout, acc_in = collector.prepare(eqn.params['jaxpr'])
+  outs, acc_out, entries = _bind_scan(eqn, invals, rewritten, carry=acc_in)
   collector.absorb(layout, [*entries, *acc_out])
-  return ordinary
+  return outs
+
+
+def _scan_intervene(injector, eqn, invals):
+  # [consts, carry, xs, replacement rows] -> [carry, ys]
+  p = eqn.params
+  new, reps = one_body(injector, p['jaxpr'], length=p['length'])
+  outs, _, _ = _bind_scan(eqn, invals, new, xs=reps)
+  return outs
 
 
 collect_rules[_jax.scan_p] = _scan_capture
+intervene_rules[_jax.scan_p] = _scan_intervene
 construct_names[_jax.scan_p] = '`lax.scan`'
 
 
@@ -156,21 +166,6 @@ def _scan_control(control, eqn, in_axes, scope, edit):
 
 
 control_rules[_jax.scan_p] = _scan_control
-
-
-def _scan_intervene(injector, eqn, invals):
-  p = eqn.params
-  new, reps = one_body(injector, p['jaxpr'], length=p['length'])
-  new, consts = hoisted(new)
-  return _jax.scan_p.bind(
-      *consts,
-      *invals,
-      *reps,
-      **dict(p, jaxpr=new, num_consts=len(consts) + p['num_consts']),
-  )
-
-
-intervene_rules[_jax.scan_p] = _scan_intervene
 
 
 def _scan_batcher(jax_rule, axis_data, args, dims, **params):

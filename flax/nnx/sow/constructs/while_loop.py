@@ -42,8 +42,8 @@ from flax.nnx.sow import _jax_patches
 from flax.nnx.sow.collect import Collector
 from flax.nnx.sow.collect import cached
 from flax.nnx.sow.collect import collect_rules
+from flax.nnx.sow.constructs.adapter import carries_moved
 from flax.nnx.sow.constructs.adapter import hoisted
-from flax.nnx.sow.constructs.adapter import permuted
 from flax.nnx.sow.constructs.adapter import with_unused_inputs
 from flax.nnx.sow.control import NO_AXES
 from flax.nnx.sow.control import control_axes
@@ -63,10 +63,75 @@ from flax.nnx.sow.sites import without_staged_sows
 # while
 
 
-def _while_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
+def _bind_while(eqn: _jax.JaxprEqn, invals, cond, body, *, carry=()):
+  """``eqn``'s ``while`` bound again with ``cond``, ``body`` and extra
+  carries.
+
+  The binders both rules add, as checkify threads its error value through
+  the loop: a capture carries accumulators, which the predicate ignores.
+  The constants of ``cond`` and ``body`` become their leading consts
+  (:func:`hoisted`).
+
+  Args:
+    eqn: the ``while`` equation.
+    invals: its operands, ``[*cond consts, *body consts, *carries]``.
+    cond: the predicate, taking ``[*cond consts, *carries]``.
+    body: taking ``[*extra carries, *body consts, *carries]`` and returning
+      ``[*carries, *extra carries]`` (the order of :meth:`Collector.rewrite`).
+    carry: the extra carries' initial values.
+
+  Returns:
+    ``(outputs, extra carries out)``.
+  """
   p = eqn.params
-  cond, body = p['cond_jaxpr'], p['body_jaxpr']
   n_cc, n_bc = p['cond_nconsts'], p['body_nconsts']
+  if carry:
+    avals = tuple(_jax.typeof(x) for x in carry)
+    body = carries_moved(body, n_bc, len(carry))
+    cond = cached(
+        cond,
+        ('while_cond', n_cc, avals),
+        lambda: with_unused_inputs(cond, avals, n_cc),
+    )
+  cond, cond_hoisted = hoisted(cond)
+  body, body_hoisted = hoisted(body)
+  outs = _jax.while_p.bind(
+      *cond_hoisted,
+      *invals[:n_cc],
+      *body_hoisted,
+      *invals[n_cc : n_cc + n_bc],
+      *carry,
+      *invals[n_cc + n_bc :],
+      **dict(
+          p,
+          cond_jaxpr=cond,
+          body_jaxpr=body,
+          cond_nconsts=len(cond_hoisted) + n_cc,
+          body_nconsts=len(body_hoisted) + n_bc,
+      ),
+  )
+  return outs[len(carry) :], outs[: len(carry)]
+
+
+def _while_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
+  cond, body = eqn.params['cond_jaxpr'], eqn.params['body_jaxpr']
+  _check_collectible(collector, cond, body)
+  # A predicate that varies over mesh axes (inside shard_map) makes every
+  # accumulator the loop carries vary over them.
+  specs = collector.reduced.vary(
+      collector.reduced.specs([body]), _jax.varying_axes(cond.out_avals[0])
+  )
+  # [acc, bconsts, carry] -> [carry, acc]
+  rewritten, layout = collector.rewrite(body, specs)
+  acc_in = collector.reduced.leaves(specs)
+  outs, acc_out = _bind_while(eqn, invals, cond, rewritten, carry=acc_in)
+  collector.absorb(layout, acc_out)
+  return outs
+
+
+def _check_collectible(collector: Collector, cond, body) -> None:
+  """Raises for a sow the capture cannot collect in a ``while_loop``: one in
+  ``cond_fun``, a plain one, or a reduced one under a batched predicate."""
   in_cond = collector.accepted_sites([cond])
   if in_cond:
     raise ValueError(
@@ -100,61 +165,29 @@ def _while_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
         ' example is done, so the reduction would also count finished'
         ' examples. Put the vmap around the capture (jax.vmap(capture(f))).'
     )
-  # A predicate that varies over mesh axes (inside shard_map) makes every
-  # accumulator the loop carries vary over them.
-  specs = collector.reduced.vary(
-      collector.reduced.specs([body]), _jax.varying_axes(cond.out_avals[0])
-  )
-  rewritten, layout = collector.rewrite(body, specs)
-  acc_in = collector.reduced.leaves(specs)
-  n_acc = len(acc_in)
-  n_carry = len(body.out_avals)
 
-  def build_body():
-    # rewritten: [acc, bconsts, carry] -> [carry, acc]
-    # while body: [bconsts, acc, carry] -> [acc, carry]
-    in_order = [n_bc + i for i in range(n_acc)] + [
-        i if i < n_bc else i + n_acc for i in range(n_bc + n_carry)
-    ]
-    out_order = [n_carry + i for i in range(n_acc)] + list(range(n_carry))
-    return permuted(rewritten, in_order, out_order)
 
-  def build_cond():
-    # cond: [cconsts, acc, carry] -> pred, ignoring acc.
-    return with_unused_inputs(cond, [_jax.typeof(x) for x in acc_in], n_cc)
-
-  new_body, body_hoisted = hoisted(
-      cached(rewritten, ('while_body', n_bc, n_acc), build_body)
-  )
-  new_cond, cond_hoisted = hoisted(
-      cached(
-          cond,
-          ('while_cond', n_cc, tuple(_jax.typeof(x) for x in acc_in)),
-          build_cond,
+def _while_intervene(injector, eqn, invals):
+  p = eqn.params
+  for key in ('cond_jaxpr', 'body_jaxpr'):
+    counts = injector.consumed(p[key].jaxpr)
+    if any(counts.values()):
+      name = next(n for n, c in counts.items() if c)
+      site = next(s for s in sow_sites(p[key].jaxpr) if s.name == name)
+      raise ValueError(
+          f'intervene: sow {name!r}{site.where} is inside `lax.while_loop`'
+          ' (or a fori_loop with traced bounds), whose number of iterations'
+          ' is not known, so values[name] cannot be a tuple of arrays. Pass'
+          ' a callable (values[name] = fn, applied at every iteration).'
       )
-  )
-  cconsts, bconsts = invals[:n_cc], invals[n_cc : n_cc + n_bc]
-  carry = invals[n_cc + n_bc :]
-  outs = _jax.while_p.bind(
-      *cond_hoisted,
-      *cconsts,
-      *body_hoisted,
-      *bconsts,
-      *acc_in,
-      *carry,
-      **dict(
-          p,
-          cond_jaxpr=new_cond,
-          body_jaxpr=new_body,
-          cond_nconsts=len(cond_hoisted) + n_cc,
-          body_nconsts=len(body_hoisted) + n_bc,
-      ),
-  )
-  collector.absorb(layout, outs[:n_acc])
-  return outs[n_acc:]
+  cond = injector.rewrite(p['cond_jaxpr'], (), ())
+  body = injector.rewrite(p['body_jaxpr'], (), ())
+  outs, _ = _bind_while(eqn, invals, cond, body)
+  return outs
 
 
 collect_rules[_jax.while_p] = _while_capture
+intervene_rules[_jax.while_p] = _while_intervene
 construct_names[_jax.while_p] = '`lax.while_loop`'
 site_annotations[_jax.while_p] = lambda eqn, site: control_axes(
     _jax.varying_axes(eqn.params['cond_jaxpr'].out_avals[0]), site
@@ -195,40 +228,6 @@ def _while_control(control, eqn, in_axes, scope, edit):
 
 
 control_rules[_jax.while_p] = _while_control
-
-
-def _while_intervene(injector, eqn, invals):
-  p = eqn.params
-  for key in ('cond_jaxpr', 'body_jaxpr'):
-    counts = injector.consumed(p[key].jaxpr)
-    if any(counts.values()):
-      name = next(n for n, c in counts.items() if c)
-      site = next(s for s in sow_sites(p[key].jaxpr) if s.name == name)
-      raise ValueError(
-          f'intervene: sow {name!r}{site.where} is inside `lax.while_loop`'
-          ' (or a fori_loop with traced bounds), whose number of iterations'
-          ' is not known, so values[name] cannot be a tuple of arrays. Pass'
-          ' a callable (values[name] = fn, applied at every iteration).'
-      )
-  cond, cond_consts = hoisted(injector.rewrite(p['cond_jaxpr'], (), ()))
-  body, body_consts = hoisted(injector.rewrite(p['body_jaxpr'], (), ()))
-  nc, nb = p['cond_nconsts'], p['body_nconsts']
-  return _jax.while_p.bind(
-      *cond_consts,
-      *invals[:nc],
-      *body_consts,
-      *invals[nc:],
-      **dict(
-          p,
-          cond_jaxpr=cond,
-          body_jaxpr=body,
-          cond_nconsts=len(cond_consts) + nc,
-          body_nconsts=len(body_consts) + nb,
-      ),
-  )
-
-
-intervene_rules[_jax.while_p] = _while_intervene
 
 
 # ----------------------------------------------------------------------------

@@ -276,14 +276,7 @@ def _split_call(stage, f, scope, leaves, treedef, positions, nodes):
   return _uncross_out(out, nodes), extra
 
 
-def _call_hook(run, f, args, kwargs, *, tags, in_place):
-  """The NNX layer around every capture and intervene call (see
-  ``collect.call_hooks``): the path scope for ``Module.sow``, and the NNX
-  graph nodes among the arguments."""
-  return functional_graph_call(
-      run, f, args, kwargs, tags=tags, in_place=in_place
-  )
-
-
-collect.call_hooks.append(_call_hook)
+# The NNX layer around every capture and intervene call: the path scope for
+# ``Module.sow``, and the NNX graph nodes among the arguments.
+collect.call_hooks.append(functional_graph_call)
 collect.opaque_leaf_checks.append(is_graph_leaf)

@@ -275,16 +275,16 @@ class _Merged:
     # id -> (object, path, why the path is not unique or None).
     self.nodes: dict[int, tuple[tp.Any, Path, str | None]] = {}
 
-  def get(self, obj, roots) -> tuple[tp.Any, Path, str | None] | None:
-    """``obj``'s entry; ``roots`` are the capture's other roots' nodes."""
+  def get(self, obj, structure) -> tuple[tp.Any, Path, str | None] | None:
+    """``obj``'s entry; ``structure`` is the other roots' (:class:`Scope`)."""
     while self.pending:
       graphdef, node = self.pending.pop(0)
       why = None
-      if roots:
+      if structure:
         why = (
             f'it was merged from a graphdef split before the capture, and'
             ' the capture also has the root'
-            f' {min((p for _, p in roots), key=len)!r}'
+            f' {min((p for p, _ in structure), key=len)!r}'
         )
       elif self.graphdef is None:
         self.graphdef = graphdef
@@ -317,7 +317,7 @@ class Scope:
     # id -> (object, path) for the roots' nodes and the copies linked to
     # them. The objects are held, so ids stay unique.
     self.nodes: dict[int, tuple[tp.Any, Path]] = {}
-    self.roots: list[tuple[tp.Any, Path]] = []  # every node under a root
+    # (path, type) of every node under a root, in order.
     self.structure: list[tuple[Path, type]] = []
     self.splits: dict[int, tuple[tp.Any, tp.Any]] = {}  # graphdef, source
     # Root paths two roots would share: a sow under them raises.
@@ -386,7 +386,6 @@ class Scope:
         if id(obj) not in self.nodes:
           path = (*prefix, *rel)
           self.nodes[id(obj)] = (obj, path)
-          self.roots.append((obj, path))
           self.structure.append((path, type(obj)))
 
   def _cheap_fingerprint(self):
@@ -426,7 +425,7 @@ class Scope:
     it does not name one module (``None`` when it does)."""
     path = self.resolve(obj)
     if path is None:
-      hit = self.merged.get(obj, self.roots)
+      hit = self.merged.get(obj, self.structure)
       return None if hit is None else (hit[1], hit[2])
     prefixes = (path[:k] for k in range(len(path) + 1))
     return path, next(
@@ -472,7 +471,7 @@ class Scope:
         continue
       # A copy of an object merged from a graphdef split before the
       # capture takes that object's path and standing.
-      hit = self.merged.get(original, self.roots)
+      hit = self.merged.get(original, self.structure)
       if hit is not None:
         found = True
         if child is not original:
@@ -778,13 +777,12 @@ def _unflatten(original, graphdef, state, /, **kwargs):
 
 
 def _by_position(trees: tp.Mapping[str, tp.Any]) -> dict:
-  nodes = {}
-  for label, tree in trees.items():
-    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_graph_leaf)
-    for keypath, leaf in leaves[0]:
-      if is_graph_node(leaf):
-        nodes[(label, keypath)] = leaf
-  return nodes
+  """The graph nodes in ``trees``, keyed by label and place."""
+  return {
+      path: node
+      for label, tree in trees.items()
+      for node, path in _nodes_in(tree, (label,))
+  }
 
 
 def _check_no_aliases(original, fn_name, /, *, check=(), **kwargs):

@@ -422,22 +422,14 @@ def _init_entries(init) -> dict[Path, tuple[type, tp.Any]]:
         'nnx.capture: init must be the State a previous nnx.capture'
         f' returned (e.g. of nnx.Perturbation), got {type(init).__name__}.'
     )
-  entries = {}
-
-  def visit(node, prefix):
-    for key, value in node.items():
-      if isinstance(value, nnx.Variable):
-        entries[(*prefix, key)] = (type(value), value.get_value())
-      elif isinstance(value, tp.Mapping):
-        visit(value, (*prefix, key))
-
-  visit(init, ())
-  return entries
+  return {
+      path: (type(value), value.get_value())
+      for path, value in nnx.traversals.flatten_mapping(init).items()
+      if isinstance(value, nnx.Variable)
+  }
 
 
-def _sum_entries(entries):
-  if not isinstance(entries, tuple):
-    return entries
+def _sum_entries(entries: tuple):
   if len(entries) == 1:
     return entries[0]
   try:

@@ -97,7 +97,7 @@ def functional_graph_call(
 
   The scope's roots are the graph nodes among ``args``/``kwargs`` (or
   ``root_args``) and those ``refers_to`` (default ``f``) refers to
-  (``paths.referenced_graph_nodes``), named as ``Scope.add_roots`` says: one
+  (``scope.referenced_graph_nodes``), named as ``scope.py`` says: one
   root at ``()``, several by argument position or variable name. Without
   graph nodes among the arguments, ``stage`` runs
   on ``f`` itself. With them, this is what ``nnx.jit`` does around

@@ -276,7 +276,11 @@ class _Merged:
     self.nodes: dict[int, tuple[tp.Any, Path, str | None]] = {}
 
   def get(self, obj, structure) -> tuple[tp.Any, Path, str | None] | None:
-    """``obj``'s entry; ``structure`` is the other roots' (:class:`Scope`)."""
+    """``obj``'s ``(object, path, why)``, or ``None``.
+
+    ``structure`` is the scope's other roots (``Scope.structure``): next to
+    any, a merged object's path is not unique.
+    """
     while self.pending:
       graphdef, node = self.pending.pop(0)
       why = None

@@ -97,7 +97,7 @@ def functional_graph_call(
 
   The scope's roots are the graph nodes among ``args``/``kwargs`` (or
   ``root_args``) and those ``refers_to`` (default ``f``) refers to
-  (``paths.referenced_graph_nodes``), named as ``Scope.add_roots`` says: one
+  (``scope.referenced_graph_nodes``), named as ``scope.py`` says: one
   root at ``()``, several by argument position or variable name. Without
   graph nodes among the arguments, ``stage`` runs
   on ``f`` itself. With them, this is what ``nnx.jit`` does around
@@ -138,33 +138,28 @@ def functional_graph_call(
     scope = Scope('functional', None if tags is None else frozenset(tags))
   named_args, named_kwargs = (args, kwargs) if root_args is None else root_args
   user_f = f if refers_to is None else refers_to
-  if in_place:
-    # ``f`` gets the arguments as they are: nothing to split, and the roots
-    # are named when a module first asks for its path.
-    if lazy:
-      scope.defer_roots(named_args, named_kwargs, user_f)
-    else:
-      scope.name_roots(named_args, named_kwargs, user_f)
-    with ActiveScope(scope):
-      return stage(_keyed(f), args, kwargs)
-  leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_graph_leaf)
-  positions = [
-      i
-      for i, x in enumerate(leaves)
-      if not isinstance(x, jax.Array) and is_graph_leaf(x)
-  ]
-  nodes = [leaves[i] for i in positions]
+  nodes = []
+  if not in_place:  # else ``f`` gets the arguments as they are
+    leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_graph_leaf)
+    positions = [
+        i
+        for i, x in enumerate(leaves)
+        if not isinstance(x, jax.Array) and is_graph_leaf(x)
+    ]
+    nodes = [leaves[i] for i in positions]
+    if any(isinstance(x, np.ndarray) for x in leaves):
+      # NumPy arrays reach ``f`` as JAX arrays, as they would traced. (Run
+      # in place, ``f`` gets the caller's objects, NumPy arrays included.)
+      leaves = [
+          jnp.asarray(x) if isinstance(x, np.ndarray) else x for x in leaves
+      ]
+      args, kwargs = jax.tree.unflatten(treedef, leaves)
+  # With no graph node to split, a functional capture names its roots when
+  # a module first asks for its path.
   if lazy and not nodes:
     scope.defer_roots(named_args, named_kwargs, user_f)
   else:
     scope.name_roots(named_args, named_kwargs, user_f)
-  if any(isinstance(x, np.ndarray) for x in leaves):
-    # NumPy arrays reach ``f`` as JAX arrays, as they would traced. (Run in
-    # place, ``f`` gets the caller's objects, NumPy arrays included.)
-    leaves = [
-        jnp.asarray(x) if isinstance(x, np.ndarray) else x for x in leaves
-    ]
-    args, kwargs = jax.tree.unflatten(treedef, leaves)
   with ActiveScope(scope):
     if not nodes:
       return stage(_keyed(f), args, kwargs)
@@ -276,14 +271,7 @@ def _split_call(stage, f, scope, leaves, treedef, positions, nodes):
   return _uncross_out(out, nodes), extra
 
 
-def _call_hook(run, f, args, kwargs, *, tags, in_place):
-  """The NNX layer around every capture and intervene call (see
-  ``collect.call_hooks``): the path scope for ``Module.sow``, and the NNX
-  graph nodes among the arguments."""
-  return functional_graph_call(
-      run, f, args, kwargs, tags=tags, in_place=in_place
-  )
-
-
-collect.call_hooks.append(_call_hook)
+# The NNX layer around every capture and intervene call: the path scope for
+# ``Module.sow``, and the NNX graph nodes among the arguments.
+collect.call_hooks.append(functional_graph_call)
 collect.opaque_leaf_checks.append(is_graph_leaf)

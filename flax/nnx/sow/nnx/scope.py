@@ -55,10 +55,11 @@ Flax's own split/merge, the same on every run:
    capture: the functional NNX pattern) is the root at ``()``, when the
    scope has no other root and every such object has an equal graphdef.
 
-Facts 1-3 are :data:`EXACT`, 4 :data:`MERGED`. A sow is named by the
-innermost scope that accepts it and names the module (:func:`locate`). A
-module that no scope names (one created inside the call, or a copy a plain
-JAX transform made of a Module pytree) makes ``Module.sow`` raise
+Facts 1-3 name a module exactly (:meth:`Scope.resolve`); 4 only where no
+fact 1-3 does (:class:`_Merged`). A sow is named by the innermost scope
+that accepts it and names the module (:func:`locate`). A module that no
+scope names (one created inside the call, or a copy a plain JAX transform
+made of a Module pytree) makes ``Module.sow`` raise
 (``shims.py``). Nothing is kept from one call to the next, and no
 attribute is set on any module. The four Flax functions are wrapped by
 ``flax_hooks.py`` (its inventory says why); outside a capture the wrappers
@@ -181,11 +182,6 @@ def _graph_nodes(node) -> tp.Iterator[tuple[Path, tp.Any]]:
       stack.append(((*path, key), child, False))
 
 
-# What a scope names a module from (Scope.resolve): its roots and the copies
-# linked to them; objects merged from an unknown graphdef.
-EXACT, MERGED = 'exact', 'merged'
-
-
 def _parameter_names(f) -> list[str]:
   """The names of ``f``'s positional parameters (``[]`` if unknown)."""
   try:
@@ -226,8 +222,89 @@ def _nodes_in(tree, prefix: Path) -> list[tuple[tp.Any, Path]]:
   ]
 
 
+def _choose_roots(args: tuple, kwargs: dict, f, referenced) -> list:
+  """The roots and their paths, as the module docstring says.
+
+  The candidates are the graph nodes among ``args``/``kwargs`` (by position
+  or keyword) and ``referenced`` (:func:`referenced_graph_nodes` of ``f``);
+  a root holds a Module and is not inside a root kept before it.
+
+  Returns:
+    ``[(root, path), ...]``; one root is at ``()``.
+  """
+  from_args = [
+      *(n for i, a in enumerate(args) for n in _nodes_in(a, (i,))),
+      *(n for k in sorted(kwargs) for n in _nodes_in(kwargs[k], (k,))),
+  ]
+  candidates = [(n, p, True) for n, p in from_args]
+  candidates += [(n, p, False) for n, p in referenced]
+  kept: list[tuple[tp.Any, Path, bool]] = []
+  inside: set[int] = set()  # every graph node under a kept root
+  for node, path, is_arg in candidates:
+    if id(node) in inside or not _holds_module(node):
+      continue
+    kept.append((node, path, is_arg))
+    inside.update(id(obj) for _, obj in _graph_nodes(node))
+  if len(kept) == 1:
+    return [(kept[0][0], ())]
+  if len({is_arg for _, _, is_arg in kept}) == 1:
+    return [(node, path) for node, path, _ in kept]
+  # Arguments next to variables: arguments by parameter name too, so the
+  # keys of one level are all strings (an nnx.State sorts them).
+  names = _parameter_names(f)
+  return [
+      (node, (names[p[0]], *p[1:]))
+      if is_arg and isinstance(p[0], int) and p[0] < len(names)
+      else (node, p)
+      for node, p, is_arg in kept
+  ]
+
+
+class _Merged:
+  """The objects merged from a graphdef split before the capture.
+
+  They are the root at ``()`` (the functional pattern ``nnx.merge(graphdef,
+  state)``) when the capture has no other root and every such object has an
+  equal graphdef; otherwise each entry says why its path is not unique.
+  Walked only when a sow first asks (most captures never do).
+  """
+
+  def __init__(self):
+    self.pending: list[tuple[tp.Any, tp.Any]] = []  # (graphdef, object)
+    self.graphdef: tp.Any = None
+    # id -> (object, path, why the path is not unique or None).
+    self.nodes: dict[int, tuple[tp.Any, Path, str | None]] = {}
+
+  def get(self, obj, structure) -> tuple[tp.Any, Path, str | None] | None:
+    """``obj``'s ``(object, path, why)``, or ``None``.
+
+    ``structure`` is the scope's other roots (``Scope.structure``): next to
+    any, a merged object's path is not unique.
+    """
+    while self.pending:
+      graphdef, node = self.pending.pop(0)
+      why = None
+      if structure:
+        why = (
+            f'it was merged from a graphdef split before the capture, and'
+            ' the capture also has the root'
+            f' {min((p for p, _ in structure), key=len)!r}'
+        )
+      elif self.graphdef is None:
+        self.graphdef = graphdef
+      elif graphdef is not self.graphdef and not graphdef == self.graphdef:
+        why = (
+            'it and another object were merged from different graphdefs'
+            ' split before the capture'
+        )
+      for rel, child in _graph_nodes(node):
+        self.nodes.setdefault(id(child), (child, rel, why))
+    hit = self.nodes.get(id(obj))
+    return hit if hit is not None and hit[0] is obj else None
+
+
 class Scope:
-  """What one active capture knows: its roots, tags, records and init."""
+  """What one active capture knows: its tags, init, roots and their copies."""
 
   def __init__(
       self,
@@ -241,19 +318,15 @@ class Scope:
     self.method_outputs = method_outputs
     self.init_keys = init_keys  # ((full name, Variable type), ...)
     self.init: dict[Path, tuple[type, tp.Any]] = {}
-    # id -> (object, path). The objects are held, so ids stay unique.
+    # id -> (object, path) for the roots' nodes and the copies linked to
+    # them. The objects are held, so ids stay unique.
     self.nodes: dict[int, tuple[tp.Any, Path]] = {}
-    # id -> (object, path, why the path is not unique or None).
-    self.merged: dict[int, tuple[tp.Any, Path, str | None]] = {}
-    # Objects merged from unknown graphdefs, walked into ``merged`` when a
-    # sow first asks (most captures never do).
-    self._merged_pending: list[tuple[tp.Any, tp.Any]] = []
-    self._merged_graphdef: tp.Any = None
-    self.roots: list[tuple[tp.Any, Path]] = []
+    # (path, type) of every node under a root, in order.
     self.structure: list[tuple[Path, type]] = []
     self.splits: dict[int, tuple[tp.Any, tp.Any]] = {}  # graphdef, source
     # Root paths two roots would share: a sow under them raises.
     self.shared: dict[Path, str] = {}
+    self.merged = _Merged()
     # Lazy roots (defer_roots): what names them, and the splits and merges
     # Flax made before they were named, replayed in order when they are.
     self._pending: tuple[tuple, dict, tp.Any] | None = None
@@ -300,62 +373,24 @@ class Scope:
     return self.types is None or tag in self.types
 
   def add_roots(self, args: tuple, kwargs: dict, f, referenced) -> None:
-    """Names the roots: see the module docstring.
+    """Names the roots (:func:`_choose_roots`) and every node under them.
 
     ``f`` is the function the arguments are for; ``referenced`` is
     :func:`referenced_graph_nodes` of it.
     """
-    from_args = [
-        *(n for i, a in enumerate(args) for n in _nodes_in(a, (i,))),
-        *(n for k in sorted(kwargs) for n in _nodes_in(kwargs[k], (k,))),
-    ]
-    candidates = [(n, p, True) for n, p in from_args]
-    candidates += [(n, p, False) for n, p in referenced]
-    kept: list[tuple[tp.Any, Path, bool]] = []
-    inside: set[int] = set()  # every graph node under a kept root
-    for node, path, is_arg in candidates:
-      if id(node) in inside or not _holds_module(node):
-        continue
-      kept.append((node, path, is_arg))
-      inside.update(id(obj) for _, obj in _graph_nodes(node))
-    if len(kept) == 1:
-      kept = [(kept[0][0], (), True)]
-    elif len({is_arg for _, _, is_arg in kept}) == 2:
-      # Arguments next to variables: arguments by parameter name too, so
-      # the keys of one level are all strings (an nnx.State sorts them).
-      names = _parameter_names(f)
-      kept = [
-          (node, (names[p[0]], *p[1:]), True)
-          if is_arg and isinstance(p[0], int) and p[0] < len(names)
-          else (node, p, is_arg)
-          for node, p, is_arg in kept
-      ]
     owners: dict[Path, tp.Any] = {}
-    for node, path, _ in kept:
-      other = owners.setdefault(path, node)
-      if other is not node:
-        self.shared[path] = (
+    for root, prefix in _choose_roots(args, kwargs, f, referenced):
+      other = owners.setdefault(prefix, root)
+      if other is not root:
+        self.shared[prefix] = (
             f'two modules, a {type(other).__name__} and a'
-            f' {type(node).__name__}, are both roots named {path!r}'
+            f' {type(root).__name__}, are both roots named {prefix!r}'
         )
-      self._add_root(node, path)
-
-  def _add_root(self, node, prefix: Path) -> None:
-    for path, obj in _graph_nodes(node):
-      if id(obj) not in self.nodes:
-        full = (*prefix, *path)
-        self.nodes[id(obj)] = (obj, full)
-        self.roots.append((obj, full))
-        self.structure.append((full, type(obj)))
-
-  def clash(self, path: Path) -> str | None:
-    """Why ``path`` does not name one module, or ``None``."""
-    self._ensure_roots()
-    for k in range(len(path) + 1):
-      why = self.shared.get(path[:k])
-      if why is not None:
-        return why
-    return None
+      for rel, obj in _graph_nodes(root):
+        if id(obj) not in self.nodes:
+          path = (*prefix, *rel)
+          self.nodes[id(obj)] = (obj, path)
+          self.structure.append((path, type(obj)))
 
   def _cheap_fingerprint(self):
     return (self.kind, self.types, self.method_outputs, self.init_keys)
@@ -371,45 +406,9 @@ class Scope:
 
   # Resolution ----------------------------------------------------------------
 
-  def resolve(self, obj, tier: str = EXACT) -> Path | None:
-    """``obj``'s path from this scope's roots, using the facts of ``tier``."""
+  def resolve(self, obj) -> Path | None:
+    """``obj``'s path from the roots and the copies linked to them."""
     self._ensure_roots()
-    if tier == EXACT:
-      return self._exact(obj)
-    hit = self._merged_hit(obj)
-    return None if hit is None else hit[1]
-
-  def _merged_hit(self, obj):
-    self._ensure_roots()
-    while self._merged_pending:
-      graphdef, node = self._merged_pending.pop(0)
-      why = None
-      if self.roots:
-        why = (
-            f'it was merged from a graphdef split before the capture, and'
-            ' the capture also has the root'
-            f' {min((p for _, p in self.roots), key=len)!r}'
-        )
-      elif self._merged_graphdef is None:
-        self._merged_graphdef = graphdef
-      elif graphdef is not self._merged_graphdef and not (
-          graphdef == self._merged_graphdef
-      ):
-        why = (
-            'it and another object were merged from different graphdefs'
-            ' split before the capture'
-        )
-      for rel, child in _graph_nodes(node):
-        self.merged.setdefault(id(child), (child, rel, why))
-    hit = self.merged.get(id(obj))
-    return hit if hit is not None and hit[0] is obj else None
-
-  def merged_clash(self, obj) -> str | None:
-    """Why the :data:`MERGED` path of ``obj`` does not name one module."""
-    hit = self._merged_hit(obj)
-    return None if hit is None else hit[2]
-
-  def _exact(self, obj) -> Path | None:
     hit = self.nodes.get(id(obj))
     if hit is not None and hit[0] is obj:
       return hit[1]
@@ -420,13 +419,22 @@ class Scope:
         return None
       hit = self.nodes.get(id(node))
       if hit is not None and hit[0] is node:
-        self._learn(obj, hit[1])
+        for rel, child in _graph_nodes(obj):
+          self.nodes.setdefault(id(child), (child, (*hit[1], *rel)))
         return hit[1]
     return None
 
-  def _learn(self, obj, path: Path) -> None:
-    for rel, child in _graph_nodes(obj):
-      self.nodes.setdefault(id(child), (child, (*path, *rel)))
+  def name_of(self, obj) -> tuple[Path, str | None] | None:
+    """``obj``'s path (:meth:`resolve`, else from :class:`_Merged`) and why
+    it does not name one module (``None`` when it does)."""
+    path = self.resolve(obj)
+    if path is None:
+      hit = self.merged.get(obj, self.structure)
+      return None if hit is None else (hit[1], hit[2])
+    prefixes = (path[:k] for k in range(len(path) + 1))
+    return path, next(
+        (self.shared[p] for p in prefixes if p in self.shared), None
+    )
 
   # Facts from Flax (the hooks below) ----------------------------------------
 
@@ -445,7 +453,7 @@ class Scope:
     hit = self.splits.get(id(graphdef))
     if hit is not None and hit[0] is graphdef and self.pair(hit[1], node):
       return
-    self._merged_pending.append((graphdef, node))
+    self.merged.pending.append((graphdef, node))
 
   def pair(self, source, copy) -> bool:
     """Gives each graph node of ``copy`` the path of ``source``'s at its place.
@@ -459,19 +467,19 @@ class Scope:
       original = at.get(rel)
       if original is None or type(original) is not type(child):
         continue
-      path = self._exact(original)
+      path = self.resolve(original)
       if path is not None:
         found = True
         if child is not original:
           self.nodes.setdefault(id(child), (child, path))
         continue
       # A copy of an object merged from a graphdef split before the
-      # capture (the MERGED tier) takes that object's path and standing.
-      hit = self._merged_hit(original)
+      # capture takes that object's path and standing.
+      hit = self.merged.get(original, self.structure)
       if hit is not None:
         found = True
         if child is not original:
-          self.merged.setdefault(id(child), (child, hit[1], hit[2]))
+          self.merged.nodes.setdefault(id(child), (child, *hit[1:]))
     return found
 
   def note_transform_copies(self, outer: dict, inner: dict) -> None:
@@ -596,26 +604,20 @@ def _key_on_split(node) -> None:
 def innermost_naming(obj, *groups: list[Scope]) -> tuple[Scope, Path] | None:
   """The first scope of ``groups`` that names ``obj``, and the path.
 
-  The groups and their scopes are tried in order, each with its facts
-  (:data:`EXACT`, then :data:`MERGED`).
+  The groups and their scopes are tried in order (:meth:`Scope.name_of`).
 
   Raises:
-    ValueError: (naming nothing; the caller adds the sow) when that path
-      would be shared with another module (:meth:`Scope.clash`).
+    SharedPathError: (naming nothing; the caller adds the sow) when that
+      path would be shared with another module.
   """
   for group in groups:
     for scope in group:
-      path = scope.resolve(obj, EXACT)
-      if path is not None:
-        why = scope.clash(path)
-      else:
-        path = scope.resolve(obj, MERGED)
-        why = None if path is None else scope.merged_clash(obj)
-      if path is None:
-        continue
-      if why is not None:
-        raise SharedPathError(path, why)
-      return scope, path
+      named = scope.name_of(obj)
+      if named is not None:
+        path, why = named
+        if why is not None:
+          raise SharedPathError(path, why)
+        return scope, path
   return None
 
 
@@ -655,15 +657,13 @@ def referenced_graph_nodes(f) -> list[tuple[tp.Any, Path]]:
   """Graph nodes ``f`` refers to, each with the variable that holds it.
 
   In a fixed order, without running ``f``: ``f`` itself (a Module, named
-  ``'self'``), the ``__self__`` of a bound method (named by the method's
-  first parameter), the arguments of a ``functools.partial`` (by parameter
-  or keyword name), the contents of closure cells (by the free variable's
-  name), and the globals its code loads (by their name; also in nested
-  functions), following ``__wrapped__`` and the functions found there, a few
-  levels deep (a global function only when it is defined in the same module,
-  so library code is not searched). Containers (``list``/``tuple``/``dict``)
-  among them are searched as pytrees, the keys added to the name.
+  ``'self'``), else what :func:`_referenced_values` finds in ``f``,
+  following the functions found there a few levels deep. Containers
+  (``list``/``tuple``/``dict``) among them are searched as pytrees, the
+  keys added to the name.
   """
+  if is_graph_node(f):
+    return [(f, ('self',))]
   found: list[tuple[tp.Any, Path]] = []
   seen: set[int] = set()
 
@@ -683,50 +683,56 @@ def referenced_graph_nodes(f) -> list[tuple[tp.Any, Path]]:
           seen.add(id(node))
           found.append((node, path))
     elif callable(x) and depth < 4:
-      function(x, depth + 1)
+      for child, child_name in _referenced_values(x):
+        value(child, depth + 1, child_name)
 
-  def function(fn, depth):
-    if isinstance(fn, functools.partial):
-      value(fn.func, depth, ())
-      try:
-        params = list(inspect.signature(fn.func).parameters)
-      except (TypeError, ValueError):
-        params = []
-      for i, a in enumerate(fn.args):
-        value(a, depth, (params[i] if i < len(params) else i,))
-      for k, a in fn.keywords.items():
-        value(a, depth, (k,))
-      return
-    if isinstance(fn, types.MethodType):
-      code = getattr(fn.__func__, '__code__', None)
-      first = code.co_varnames[0] if code and code.co_argcount else 'self'
-      value(fn.__self__, depth, (first,))
-      fn = fn.__func__
-    wrapped = getattr(fn, '__wrapped__', None)
-    if wrapped is not None:
-      value(wrapped, depth, ())
-    if not isinstance(fn, types.FunctionType):
-      return
-    for var, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
-      try:
-        contents = cell.cell_contents
-      except ValueError:  # an empty cell
-        continue
-      value(contents, depth, (var,))
-    for name in _global_names(fn.__code__):
-      x = fn.__globals__.get(name)
-      if callable(x) and not is_graph_node(x):
-        if getattr(x, '__globals__', None) is not fn.__globals__:
-          continue  # a library function, a class, a builtin
-      if x is not None:
-        value(x, depth, (name,))
-
-  if is_graph_node(f):
-    seen.add(id(f))
-    found.append((f, ('self',)))
-  else:
-    value(f, 0, ())
+  value(f, 0, ())
   return found
+
+
+def _referenced_values(fn) -> tp.Iterator[tuple[tp.Any, Path]]:
+  """What the callable ``fn`` refers to directly, each with its name.
+
+  The arguments of a ``functools.partial`` (by parameter or keyword name)
+  and its function; the ``__self__`` of a bound method (by the method's
+  first parameter); ``__wrapped__``; the contents of closure cells (by the
+  free variable's name) and the globals its code loads (by their name, also
+  in nested functions; a global function only when it is defined in the
+  same module, so library code is not searched).
+  """
+  if isinstance(fn, functools.partial):
+    yield fn.func, ()
+    try:
+      params = list(inspect.signature(fn.func).parameters)
+    except (TypeError, ValueError):
+      params = []
+    for i, a in enumerate(fn.args):
+      yield a, (params[i] if i < len(params) else i,)
+    yield from ((a, (k,)) for k, a in fn.keywords.items())
+    return
+  if isinstance(fn, types.MethodType):
+    code = getattr(fn.__func__, '__code__', None)
+    first = code.co_varnames[0] if code and code.co_argcount else 'self'
+    yield fn.__self__, (first,)
+    fn = fn.__func__
+  wrapped = getattr(fn, '__wrapped__', None)
+  if wrapped is not None:
+    yield wrapped, ()
+  if not isinstance(fn, types.FunctionType):
+    return
+  for var, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+    try:
+      contents = cell.cell_contents
+    except ValueError:  # an empty cell
+      continue
+    yield contents, (var,)
+  for name in _global_names(fn.__code__):
+    x = fn.__globals__.get(name)
+    if callable(x) and not is_graph_node(x):
+      if getattr(x, '__globals__', None) is not fn.__globals__:
+        continue  # a library function, a class, a builtin
+    if x is not None:
+      yield x, (name,)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -775,13 +781,12 @@ def _unflatten(original, graphdef, state, /, **kwargs):
 
 
 def _by_position(trees: tp.Mapping[str, tp.Any]) -> dict:
-  nodes = {}
-  for label, tree in trees.items():
-    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_graph_leaf)
-    for keypath, leaf in leaves[0]:
-      if is_graph_node(leaf):
-        nodes[(label, keypath)] = leaf
-  return nodes
+  """The graph nodes in ``trees``, keyed by label and place."""
+  return {
+      path: node
+      for label, tree in trees.items()
+      for node, path in _nodes_in(tree, (label,))
+  }
 
 
 def _check_no_aliases(original, fn_name, /, *, check=(), **kwargs):

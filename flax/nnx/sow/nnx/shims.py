@@ -40,6 +40,7 @@ idempotent. Every use of a Flax internal is in the block below.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -421,22 +422,14 @@ def _init_entries(init) -> dict[Path, tuple[type, tp.Any]]:
         'nnx.capture: init must be the State a previous nnx.capture'
         f' returned (e.g. of nnx.Perturbation), got {type(init).__name__}.'
     )
-  entries = {}
-
-  def visit(node, prefix):
-    for key, value in node.items():
-      if isinstance(value, nnx.Variable):
-        entries[(*prefix, key)] = (type(value), value.get_value())
-      elif isinstance(value, tp.Mapping):
-        visit(value, (*prefix, key))
-
-  visit(init, ())
-  return entries
+  return {
+      path: (type(value), value.get_value())
+      for path, value in nnx.traversals.flatten_mapping(init).items()
+      if isinstance(value, nnx.Variable)
+  }
 
 
-def _sum_entries(entries):
-  if not isinstance(entries, tuple):
-    return entries
+def _sum_entries(entries: tuple):
   if len(entries) == 1:
     return entries[0]
   try:
@@ -513,39 +506,23 @@ def capture(
   if isinstance(fn, type) and issubclass(fn, nnx.Variable):
     all_types = (fn, *var_types)
     _check_variable_types(all_types, method_outputs)
-
-    def decorator(actual_fn):
-      return capture(
-          actual_fn, *all_types, init=init, method_outputs=method_outputs
-      )
-
-    return decorator
-  _check_variable_types(var_types, method_outputs)
-
-  if isinstance(fn, nnx.Module):
-    module_instance = fn
-    invoke = lambda m, *a, **k: m(*a, **k)
-  elif inspect.ismethod(fn) and isinstance(fn.__self__, nnx.Module):
-    module_instance = fn.__self__
-    func = fn.__func__
-    invoke = lambda m, *a, **k: func(m, *a, **k)
-  elif callable(fn):
-    module_instance = None
-    invoke = fn
-  else:
-    raise TypeError(
-        'nnx.capture: fn must be a Module, a bound method of a Module, or a'
-        f' function whose first argument is a Module, got {fn!r}.'
+    return lambda actual_fn: capture(
+        actual_fn, *all_types, init=init, method_outputs=method_outputs
     )
+  _check_variable_types(var_types, method_outputs)
+  module_instance, invoke = _module_call(fn)
   init_entries = _init_entries(init)
+  init_keys = tuple((key, vt) for key, (vt, _) in init_entries.items())
+  init_values = [value for _, value in init_entries.values()]
   # One functional capture per type, nested: each collects its own type's
   # sows, perturbations and zeros, so two types never share a name.
   types = tuple(dict.fromkeys(var_types))
-  keys = [frozenset({vt, PerturbationInit(vt)}) for vt in types]
+  keys = tuple(frozenset({vt, PerturbationInit(vt)}) for vt in types)
 
   def wrapper(*args, **kwargs):
-    fn_args = args
-    if module_instance is None:
+    root_args = (args, kwargs)
+    module = module_instance
+    if module is None:
       if not args or not _graphlib.is_graph_node(args[0]):
         raise TypeError(
             'nnx.capture: when fn is a function, its first argument must be'
@@ -553,54 +530,28 @@ def capture(
             f' {type(args[0]).__name__ if args else "no arguments"}.'
         )
       module, args = args[0], args[1:]
-    else:
-      module = module_instance
-    init_keys = tuple(init_entries)
     scope = Scope(
         'nnx',
         frozenset(types),
         method_outputs if method_outputs in types else None,
-        tuple((k, init_entries[k][0]) for k in init_keys),
+        init_keys,
     )
-    init_values = [init_entries[k][1] for k in init_keys]
 
     def staged(m, values, *a, **k):
-      scope.init = {
-          key: (init_entries[key][0], v) for key, v in zip(init_keys, values)
-      }
+      scope.init = {key: (vt, v) for (key, vt), v in zip(init_keys, values)}
       return invoke(m, *a, **k)
 
-    def stage(pure_f, pure_args, pure_kwargs, level=0):
-      if level == len(keys):
-        return pure_f(*pure_args, **pure_kwargs), ()
-      inner = lambda *a, **k: stage(pure_f, a, k, level + 1)
-      (out, rest), collected = stage_and_collect(
-          inner, keys[level], pure_args, pure_kwargs
-      )
-      return out, (collected, *rest)
-
-    classes = ()
-    if method_outputs is not None:
-      classes = {
-          type(m)
-          for _, m in nnx.iter_graph(module, graph=True)
-          if isinstance(m, nnx.Module)
-      }
-      flax_hooks.wrap_methods(classes, _wrappable, _method_output_wrapper)
-    try:
+    with _methods_sowing_outputs(module, method_outputs):
       result, collected = functional_graph_call(
-          stage,
+          functools.partial(_capture_each, keys),
           staged,
           (module, init_values, *args),
           kwargs,
           scope=scope,
           refers_to=fn,
           in_place=True,
-          root_args=(fn_args, kwargs),
+          root_args=root_args,
       )
-    finally:
-      if classes:
-        flax_hooks.unwrap_methods(classes)
     if not var_types:
       return result
     # One State per requested type, by exact type (a subclass of a requested
@@ -611,6 +562,52 @@ def capture(
   if not isinstance(fn, nnx.Module):
     wrapper = functools.wraps(fn)(wrapper)
   return wrapper
+
+
+def _module_call(fn) -> tuple[tp.Any, tp.Callable]:
+  """``(module, invoke)``: the Module ``fn`` runs (``None`` when it is the
+  first argument) and ``invoke(module, *args, **kwargs)``, which runs it."""
+  if isinstance(fn, nnx.Module):
+    return fn, lambda m, *a, **k: m(*a, **k)
+  if inspect.ismethod(fn) and isinstance(fn.__self__, nnx.Module):
+    func = fn.__func__
+    return fn.__self__, lambda m, *a, **k: func(m, *a, **k)
+  if callable(fn):
+    return None, fn
+  raise TypeError(
+      'nnx.capture: fn must be a Module, a bound method of a Module, or a'
+      f' function whose first argument is a Module, got {fn!r}.'
+  )
+
+
+def _capture_each(keys: tuple, pure_f, args: tuple, kwargs: dict):
+  """Runs ``pure_f`` in one functional capture per key (``tags``), nested
+  with the first outermost; returns ``(out, (collected, ...))``."""
+  if not keys:
+    return pure_f(*args, **kwargs), ()
+  inner = lambda *a, **k: _capture_each(keys[1:], pure_f, a, k)
+  (out, rest), collected = stage_and_collect(inner, keys[0], args, kwargs)
+  return out, (collected, *rest)
+
+
+@contextlib.contextmanager
+def _methods_sowing_outputs(module, method_outputs: type | None):
+  """With ``method_outputs``, the public methods of the classes of
+  ``module``'s submodules sow their outputs (:func:`_method_output_wrapper`)
+  while the capture runs."""
+  if method_outputs is None:
+    yield
+    return
+  classes = {
+      type(m)
+      for _, m in nnx.iter_graph(module, graph=True)
+      if isinstance(m, nnx.Module)
+  }
+  flax_hooks.wrap_methods(classes, _wrappable, _method_output_wrapper)
+  try:
+    yield
+  finally:
+    flax_hooks.unwrap_methods(classes)
 
 
 # --------------------------------------------------------------------------

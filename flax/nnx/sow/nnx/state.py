@@ -186,21 +186,13 @@ def state_to_collected(
         f' {type(state).__name__}.'
     )
   out: dict[Name, tp.Any] = {}
-
-  def visit(node, prefix):
-    for key, value in node.items():
-      path = (*prefix, key)
-      if isinstance(value, nnx.Variable):
-        out[path] = value.get_value()
-      elif isinstance(value, tp.Mapping):
-        visit(value, path)
-      else:
-        raise TypeError(
-            f'state_to_collected: the leaf at {path!r} is a'
-            f' {type(value).__name__}; expected an nnx.Variable.'
-        )
-
-  visit(state, ())
+  for path, value in nnx.traversals.flatten_mapping(state).items():
+    if not isinstance(value, nnx.Variable):
+      raise TypeError(
+          f'state_to_collected: the leaf at {path!r} is a'
+          f' {type(value).__name__}; expected an nnx.Variable.'
+      )
+    out[path] = value.get_value()
   names = getattr(state, '__dict__', {}).get(_ORDER_ATTR)
   if names is not None and {name_to_path(n) for n in names} == set(out):
     # Built by collected_to_state: its names, as given and in that order.

@@ -115,6 +115,21 @@ shard_aval = core.shard_aval
 linear_solve_p = lax_control_flow.linear_solve_p
 
 typeof = core.typeof
+
+
+def arg_type(x: tp.Any) -> tp.Any:
+  """``x``'s type for tracing a function of it: its aval, with its current
+  quasi-dynamic data (the structure of a Hijax Variable) for a mutable type."""
+  return core.aval_qdd_from_current_val(core.typeof(x), x)
+
+
+def binder_types(jaxpr: Jaxpr | ClosedJaxpr) -> list[tp.Any]:
+  """The types to re-trace ``jaxpr`` at: its input avals, with the initial
+  quasi-dynamic data of mutable (Hijax) binders, which JAX needs to lower a
+  construct that reads them."""
+  return list(jaxpr.in_aval_qdds)
+
+
 Trace = core.Trace
 set_current_trace = core.set_current_trace
 current_source_info = source_info_util.current

@@ -337,7 +337,7 @@ def stage(
   with staging(staging_key):
     closed = _jax.trace_to_closed_jaxpr(
         flat_f,
-        [_jax.typeof(x) for x in arrays],
+        [_jax.arg_type(x) for x in arrays],
         getattr(f, '__name__', 'f'),
     )
   out_tree, static_out, out_is_array = out_box[-1]
@@ -386,4 +386,6 @@ def rewrite_program(
       collected = collector.result()
     return [*outs, *jax.tree_util.tree_leaves(collected)]
 
-  return _jax.trace_to_closed_jaxpr(fn, closed.in_avals, 'rewrite_program')
+  return _jax.trace_to_closed_jaxpr(
+      fn, _jax.binder_types(closed), 'rewrite_program'
+  )

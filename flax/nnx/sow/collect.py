@@ -633,7 +633,7 @@ def _rewrite_jaxpr(jaxpr, accepts_key, specs, python_folds=False):
     layout_box.append(inner.layout(specs))
     return [*outs, *inner.extra_outputs(specs)]
 
-  in_avals = [a for s in specs for a in s.avals] + list(jaxpr.in_avals)
+  in_avals = [a for s in specs for a in s.avals] + _jax.binder_types(jaxpr)
   new = _jax.trace_to_closed_jaxpr(rewritten, in_avals, 'capture_rewrite')
   return new, layout_box[-1]
 

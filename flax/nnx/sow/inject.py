@@ -423,7 +423,7 @@ class Injector:
         return eval_intervening(closed.jaxpr, closed.consts, args[:n_in], inner)
 
       return _jax.trace_to_closed_jaxpr(
-          fn, [*closed.in_avals, *rep_avals], 'intervene_rewrite'
+          fn, [*_jax.binder_types(closed), *rep_avals], 'intervene_rewrite'
       )
 
     return cached_rewrite(closed, key, fns, build, self.token)

@@ -210,7 +210,7 @@ class CaptureTrace(_jax.Trace):
     # of the call ``f`` made, for error messages and the rules.
     source_info = _jax.current_source_info()
     closed = _jax.trace_to_closed_jaxpr(
-        one_equation, [_jax.typeof(x) for x in args], primitive.name
+        one_equation, [_jax.arg_type(x) for x in args], primitive.name
     )
     closed = _jax.with_source_info(closed, source_info)
     c = self.collector

@@ -235,7 +235,9 @@ def _aligned(closed, layout: Layout, where: dict, n_out: int, varying: dict):
         for i, a in zip(order, axes)
     ]
 
-  return _jax.trace_to_closed_jaxpr(fn, closed.in_avals, 'cond_capture')
+  return _jax.trace_to_closed_jaxpr(
+      fn, _jax.binder_types(closed), 'cond_capture'
+  )
 
 
 def _bind_cond(
@@ -476,7 +478,9 @@ def _hoist_reduced(branches):
       return [*outs[:n_out], *values]
 
     new.append(
-        _jax.trace_to_closed_jaxpr(fn, branches[b].in_avals, 'cond_reduced')
+        _jax.trace_to_closed_jaxpr(
+            fn, _jax.binder_types(branches[b]), 'cond_reduced'
+        )
     )
   return tuple(new), sites
 

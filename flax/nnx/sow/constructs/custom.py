@@ -92,7 +92,7 @@ def stage_vmap_rule(rule, in_tree, out_tree, axis_size, flags, values):
     return outs
 
   closed = _jax.trace_to_closed_jaxpr(
-      run, [_jax.typeof(x) for x in values], 'custom_vmap_rule'
+      run, [_jax.arg_type(x) for x in values], 'custom_vmap_rule'
   )
   return closed, box
 
@@ -121,7 +121,7 @@ def _without_repeated_sows(accepts_key, layout, rule, args, what):
 
   values = [args[i] for i in traced]
   closed = _jax.trace_to_closed_jaxpr(
-      call, [_jax.typeof(x) for x in values], 'custom_rule'
+      call, [_jax.arg_type(x) for x in values], 'custom_rule'
   )
   collector = Collector(accepts_key)
   if not collector.has_work([closed]):
@@ -704,7 +704,7 @@ def _hoisted_custom_call(primitive, original, trace, args, avals, params, /):
   if not all(_jax.is_known(trace, x) for x in args):
     return original(trace, args, avals, params)
   fun = params['subfuns'][0]
-  in_avals = [_jax.typeof(trace.to_jaxpr_tracer(x)) for x in args]
+  in_avals = [_jax.arg_type(trace.to_jaxpr_tracer(x)) for x in args]
 
   def call(*xs):
     return original(_jax.trace_ctx.trace, xs, avals, params)

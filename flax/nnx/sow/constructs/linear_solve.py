@@ -147,7 +147,7 @@ def _with_zero_outputs(closed: _jax.ClosedJaxpr, avals) -> _jax.ClosedJaxpr:
       return [*outs, *(jnp.zeros(a.shape, a.dtype) for a in avals)]
 
     return _jax.trace_to_closed_jaxpr(
-        fn, closed.in_avals, 'linear_solve_transpose_zeros'
+        fn, _jax.binder_types(closed), 'linear_solve_transpose_zeros'
     )
 
   return cached(closed, ('linear_solve_zeros', avals), build)

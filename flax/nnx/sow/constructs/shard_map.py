@@ -342,7 +342,7 @@ def _rewrite_body(body: _jax.Jaxpr, accepts_key, specs, params):
 
   with _jax.shard_map_context(mesh, manual, check_vma):
     closed = _jax.trace_to_closed_jaxpr(
-        fn, [*acc_local, *body.in_avals], 'shard_map_capture'
+        fn, [*acc_local, *_jax.binder_types(body)], 'shard_map_capture'
     )
     jaxpr, consts = _jax.close_over_nothing(closed)
   layout, extra_specs = box[-1]
@@ -465,7 +465,7 @@ def _shard_map_intervene(injector, eqn, invals):
 
     with _jax.shard_map_context(mesh, manual, check_vma):
       closed = _jax.trace_to_closed_jaxpr(
-          fn, body.in_avals, 'shard_map_intervene'
+          fn, _jax.binder_types(body), 'shard_map_intervene'
       )
       return _jax.close_over_nothing(closed)
 

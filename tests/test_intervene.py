@@ -1485,6 +1485,32 @@ class ErrorTest(parameterized.TestCase):
     ):
       intervene(cumulative, {'h': (np.zeros(3, np.float32),)})(XS)
 
+  def test_wrong_dtype_in_nested_loops_names_the_row(self):
+    # The check runs on one iteration's row; the message says so, since the
+    # user passed the stacked (outer, inner) array.
+    def nested(xs):
+      inner = lambda c, y: (c, sow(y * 2.0, name='h'))
+      outer = lambda c, row: (c, jax.lax.scan(inner, 0.0, row)[1])
+      return jax.lax.scan(outer, 0.0, xs)[1]
+
+    xs = np.ones((3, 2), np.float32)
+    np.testing.assert_allclose(
+        intervene(nested, {'h': (np.full((3, 2), 4.0, np.float32),)})(xs),
+        np.full((3, 2), 4.0),
+    )
+    with self.assertRaisesRegex(
+        ValueError,
+        r"values\['h'\]\[0\] \(its row for one iteration of an enclosing"
+        r' loop\) is .*float16\[\].*sown value is .*float32\[\]',
+    ):
+      intervene(nested, {'h': (np.zeros((3, 2), np.float16),)})(xs)
+    with self.assertRaisesRegex(
+        ValueError,
+        r"values\['h'\]\[0\] \(its row for one iteration of an enclosing"
+        r' loop\) replaces a sow inside a loop of 2 iterations',
+    ):
+      intervene(nested, {'h': (np.zeros((3, 1), np.float32),)})(xs)
+
   def test_unknown_name(self):
     with self.assertRaisesRegex(
         ValueError, r"no sow .* named 'k'.*strict=False"

@@ -85,6 +85,15 @@ class Entries:
 
   entries: tuple[tp.Any, ...]
   offset: int = 0  # index of ``entries[0]`` in the user's tuple
+  rows: bool = False  # inside a loop: each entry is one iteration's row
+
+
+def _label(name, entries: Entries, i: int) -> str:
+  """How an error names ``entries.entries[i]`` of ``values[name]``."""
+  label = f'values[{name!r}][{entries.offset + i}]'
+  if entries.rows:  # what the user passed has one more axis per loop
+    label += ' (its row for one iteration of an enclosing loop)'
+  return label
 
 
 def _describe(tree) -> str:
@@ -195,7 +204,7 @@ class Replacements:
       if self.strict:
         raise self._count_error(name, i + 1)
       return None
-    return v.entries[i], f'values[{name!r}][{v.offset + i}]'
+    return v.entries[i], _label(name, v, i)
 
   def take(self, counts: collections.Counter, length: int | None = None):
     """The next ``counts[name]`` entries of each name, for a sub-jaxpr.
@@ -223,7 +232,7 @@ class Replacements:
           for x in entry_leaves:
             if not x.shape or x.shape[0] != length:
               raise ValueError(
-                  f'intervene: values[{name!r}][{ent.offset + i}] replaces a'
+                  f'intervene: {_label(name, ent, i)} replaces a'
                   f' sow inside a loop of {length} iterations, so each leaf'
                   f' needs a leading axis of {length} (entry j replaces'
                   f' iteration j, as capture stacks them); got'
@@ -231,7 +240,8 @@ class Replacements:
               )
         leaves.extend(entry_leaves)
         treedefs.append((treedef, len(entry_leaves)))
-      spec.append((name, ent.offset + start, tuple(treedefs)))
+      rows = ent.rows or length is not None
+      spec.append((name, ent.offset + start, tuple(treedefs), rows))
     return leaves, tuple(spec)
 
   def _count_error(self, name, reached) -> ValueError:
@@ -377,14 +387,14 @@ class Injector:
         if not isinstance(v, Entries)
     }
     pos = 0
-    for name, offset, treedefs in spec:
+    for name, offset, treedefs, rows in spec:
       entries = []
       for treedef, n in treedefs:
         entries.append(
             jax.tree_util.tree_unflatten(treedef, leaves[pos : pos + n])
         )
         pos += n
-      values[name] = Entries(tuple(entries), offset)
+      values[name] = Entries(tuple(entries), offset, rows)
     # Names whose entries this scope does not get are not replaced in it.
     return Injector(self.accepts_key, values, self.strict, self.token)
 

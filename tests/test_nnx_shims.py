@@ -36,6 +36,7 @@ import numpy as np
 
 import flax.nnx.sow  # noqa: F401  (installs the shims)
 from flax.nnx.sow import capture
+from flax.nnx.sow import intervene
 from flax.nnx.sow.nnx import shims as nnx_shims
 from flax.nnx.sow import sow
 from flax.nnx.sow.nnx import state as state_lib
@@ -830,6 +831,51 @@ class LegacyWarningTest(parameterized.TestCase):
           'ignore', message=r"\s*Using 'Module\.(sow|perturb)\(\)' outside"
       )
       self.Both()(jnp.ones(2))
+
+
+class StateArgumentTest(parameterized.TestCase):
+  """``intervene`` (which stages ``f``) on a function whose only graph leaves
+  are the Variables of an ``nnx.State`` argument (``f(state, x)`` with
+  ``nnx.merge`` inside): the Variables are rebuilt under the staging and what
+  ``f`` writes to them reaches the caller's Variables, as without it."""
+
+  @parameterized.named_parameters(('eager', False), ('jit', True))
+  def test_updates_reach_the_callers_variables(self, jitted):
+    class Net(nnx.Module):
+
+      def __init__(self):
+        self.lin = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+        self.bn = nnx.BatchNorm(2, momentum=0.5, rngs=nnx.Rngs(0))
+
+    graphdef, state = nnx.split(Net())
+    _, twin = nnx.split(Net())
+    kernel = np.asarray(state['lin']['kernel'][...])
+    x = np.arange(12.0, dtype=np.float32).reshape(4, 3)
+
+    def f(state, x):
+      net = nnx.merge(graphdef, state)
+      return net.bn(sow(net.lin(x), name='pre'))
+
+    def with_intervene(state, x):
+      y = intervene(f, {'pre': lambda v: 2.0 * v})(state, x)
+      return y, state['bn']['mean'][...]
+
+    def by_hand(state, x):  # the replacement written into the program
+      net = nnx.merge(graphdef, state)
+      return net.bn(2.0 * net.lin(x)), state['bn']['mean'][...]
+
+    run = jax.jit if jitted else (lambda fn: fn)
+    y, mean = run(with_intervene)(state, x)
+    expected_y, expected_mean = run(by_hand)(twin, x)
+    np.testing.assert_allclose(y, expected_y, rtol=1e-6)
+    # momentum 0.5 from zeros: half the batch mean of the replacement.
+    np.testing.assert_allclose(
+        mean, 0.5 * np.mean(2.0 * x @ kernel, axis=0), rtol=1e-5
+    )
+    np.testing.assert_allclose(mean, expected_mean, rtol=1e-6)
+    if not jitted:  # the caller's Variables, as f(state, x) leaves them
+      np.testing.assert_allclose(state['bn']['mean'][...], expected_mean)
+      np.testing.assert_allclose(twin['bn']['mean'][...], expected_mean)
 
 
 class StateConversionTest(absltest.TestCase):

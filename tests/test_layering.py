@@ -291,6 +291,29 @@ class LayeringTest(absltest.TestCase):
       ):
         self.assertTrue(_in_nnx_layer(name), name)
 
+  def test_re_traces_keep_the_types_of_mutable_binders(self):
+    # A sub-jaxpr traced again at bare avals loses the quasi-dynamic data of
+    # its mutable (Hijax) binders, and JAX then fails to lower the construct
+    # that reads them: trace at ``_jax.binder_types`` / ``_jax.arg_type``.
+    bare = []
+    called = lambda node: getattr(node.func, 'attr', None) or getattr(
+        node.func, 'id', None
+    )
+    for name, tree in _modules().items():
+      for node in ast.walk(tree):
+        if not (
+            isinstance(node, ast.Call)
+            and called(node) == 'trace_to_closed_jaxpr'
+            and len(node.args) > 1
+        ):
+          continue
+        for sub in ast.walk(node.args[1]):
+          if (isinstance(sub, ast.Attribute) and sub.attr == 'in_avals') or (
+              isinstance(sub, ast.Call) and called(sub) == 'typeof'
+          ):
+            bare.append(f'{name}:{node.lineno}')
+    self.assertEqual(bare, [])
+
   def test_pyproject_lists_every_subpackage(self):
     # A package missing from ``packages`` is left out of ``pip install .``.
     pyproject = tomllib.loads(

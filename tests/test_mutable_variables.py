@@ -76,6 +76,20 @@ class VariablesInConstructsTest(parameterized.TestCase):
       np.testing.assert_allclose(carry, np.sum(XS * W))
 
   @parameterized.named_parameters(*KINDS)
+  def test_reduce_fn_closing_over_a_variable(self, flags):
+    w = param(flags)
+    weighted = dict(
+        reduce_fn=lambda a, v: a + v * w[...], init_fn=lambda: jnp.zeros(2)
+    )
+
+    def f(xs):
+      body = lambda c, x: (c, sow(x, name='r', **weighted))
+      return jax.lax.scan(body, 0.0, xs)
+
+    for _, got in three_ways(capture(f), XS):
+      np.testing.assert_allclose(got['r'], XS.sum(0) * W)
+
+  @parameterized.named_parameters(*KINDS)
   def test_cond(self, flags):
     w = param(flags)
 

@@ -125,7 +125,7 @@ def _trace(fn, in_avals, name):
     return _jax.eval_jaxpr(open_jaxpr, (), *full, *args[len(traced) :])
 
   closed = _jax.trace_to_closed_jaxpr(
-      with_closure, [_jax.typeof(c) for c in traced] + list(in_avals), name
+      with_closure, [_jax.arg_type(c) for c in traced] + list(in_avals), name
   )
   return closed, traced, box[-1]
 
@@ -268,7 +268,8 @@ def _vary_like_acc(leaves, acc: Accumulator) -> list:
 
 def masked(snapshot: Snapshot, n_value: int) -> Snapshot:
   """``snapshot`` whose fold takes one more value leaf, a boolean mask, and
-  leaves the accumulator unchanged where it is false (``constructs/cond.py``)."""
+  leaves the accumulator unchanged where it is false (``constructs/cond.py``).
+  """
   fold = snapshot.fold
   n_acc = len(snapshot.acc_avals)
   n_closure = len(fold.in_avals) - n_acc - n_value
@@ -283,6 +284,6 @@ def masked(snapshot: Snapshot, n_value: int) -> Snapshot:
   return dataclasses.replace(
       snapshot,
       fold=_jax.trace_to_closed_jaxpr(
-          fn, [*fold.in_avals, mask_aval], 'masked_reduce_fn'
+          fn, [*_jax.binder_types(fold), mask_aval], 'masked_reduce_fn'
       ),
   )

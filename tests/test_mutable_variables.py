@@ -75,9 +75,8 @@ class VariablesInConstructsTest(parameterized.TestCase):
       np.testing.assert_allclose(got['total'], np.sum(XS * W))
       np.testing.assert_allclose(carry, np.sum(XS * W))
 
-  @parameterized.named_parameters(*KINDS)
-  def test_reduce_fn_closing_over_a_variable(self, flags):
-    w = param(flags)
+  def test_reduce_fn_closing_over_a_plain_variable(self):
+    w = param({})
     weighted = dict(
         reduce_fn=lambda a, v: a + v * w[...], init_fn=lambda: jnp.zeros(2)
     )
@@ -88,6 +87,46 @@ class VariablesInConstructsTest(parameterized.TestCase):
 
     for _, got in three_ways(capture(f), XS):
       np.testing.assert_allclose(got['r'], XS.sum(0) * W)
+
+  @parameterized.named_parameters(*KINDS[1:])
+  def test_reduce_fn_reading_a_mutable_variable_raises(self, flags):
+    # The fold runs where the capture puts it, on values fixed at the sow; a
+    # ref or Hijax Variable read there could see another value than at the
+    # sow (a write earlier in the body gave the value before the loop, with
+    # no error), so such a reduce_fn is refused, naming the sow and the fix.
+    v = param(flags)
+
+    def f(xs, read_before):
+      def body(c, x):
+        v[...] = v[...] + 1.0
+        w = v[...]
+        fold = (
+            (lambda a, h: a + jnp.sum(h * w))
+            if read_before
+            else (lambda a, h: a + jnp.sum(h * v[...]))
+        )
+        return c, sow(x, name='r', reduce_fn=fold, init_fn=lambda: 0.0)
+
+      return jax.lax.scan(body, 0.0, xs)
+
+    refused = capture(lambda xs: f(xs, False))
+    for how, run in (('eager', refused), ('jit', jax.jit(refused))):
+      with (
+          self.subTest(how),
+          self.assertRaisesRegex(
+              ValueError,
+              r"sow 'r': its reduce_fn reads a ref or Hijax Variable.*"
+              r'w = v\[...\]',
+          ),
+      ):
+        run(XS)
+    before = np.asarray(v[...])
+    # The fix the message gives: read the Variable before the sow.
+    _, got = jax.jit(capture(lambda xs: f(xs, True)))(XS)
+    rows = [before + k for k in (1.0, 2.0, 3.0)]
+    np.testing.assert_allclose(
+        got['r'], sum(np.sum(x * r) for x, r in zip(XS, rows)), rtol=1e-6
+    )
 
   @parameterized.named_parameters(*KINDS)
   def test_cond(self, flags):

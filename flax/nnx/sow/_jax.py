@@ -80,6 +80,7 @@ from jax._src.interpreters import mlir
 from jax._src.interpreters import partial_eval as pe
 from jax._src.lax import control_flow as lax_control_flow
 from jax._src.named_sharding import UNSPECIFIED
+from jax._src.state import types as state_types
 from jax.experimental import jet as jet_lib
 from jax.extend import core as jex_core
 from jax.extend.core import primitives as jex_primitives
@@ -264,6 +265,15 @@ def weak_cache_key(cls: type) -> None:
 def is_ref(x: tp.Any) -> bool:
   """Whether ``x`` is a mutable array reference (``jax.new_ref``)."""
   return isinstance(x, core.Ref)
+
+
+def is_mutable(x: tp.Any) -> bool:
+  """Whether ``x`` is a mutable JAX value: an array reference (a ref
+  Variable's) or a mutable Hijax type (a Hijax Variable), also as a tracer."""
+  aval = core.typeof(x)
+  return isinstance(aval, state_types.AbstractRef) or bool(
+      getattr(aval, 'has_qdd', False)
+  )
 
 
 def allow_effect(effect_type: type[Effect]) -> None:

@@ -225,6 +225,14 @@ def sow_site(value, name, tag, reduce_fn, init_fn, *, fixed_type: bool):
         snapshot, closure = reductions.take_snapshot(
             reduce_fn, init_fn, treedef, [_jax.typeof(x) for x in leaves]
         )
+      except reductions.ReadsMutableError as e:
+        raise ValueError(
+            f'sow {name!r}: its {e.fn_name} reads a ref or Hijax Variable.'
+            ' A capture applies reduce_fn and init_fn to values fixed at the'
+            ' sow, and cannot fix a mutable Variable there. Read the'
+            ' Variable before the sow and close over the value instead, e.g.'
+            ' w = v[...]; sow(h, ..., reduce_fn=lambda acc, h: acc + h * w).'
+        ) from None
       except Exception as e:
         e.add_note(
             f'(raised by the reduce_fn or init_fn of sow {name!r}, applied to'

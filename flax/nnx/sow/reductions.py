@@ -98,6 +98,15 @@ def strong(x: tp.Any) -> tp.Any:
   return jax.lax.convert_element_type(x, x.dtype) if x.weak_type else x
 
 
+class ReadsMutableError(ValueError):
+  """An ``init_fn``/``reduce_fn`` reads a ref or Hijax Variable (which
+  :func:`take_snapshot` cannot fix at the sow)."""
+
+  def __init__(self, fn_name: str):
+    super().__init__(fn_name)
+    self.fn_name = fn_name
+
+
 def _trace(fn, in_avals, name):
   """``(closed jaxpr with concrete constants, traced constants, out box)``.
 
@@ -113,6 +122,8 @@ def _trace(fn, in_avals, name):
     return [jax.numpy.asarray(x) for x in leaves]
 
   closed = _jax.trace_to_closed_jaxpr(flat, in_avals, name)
+  if any(_jax.is_mutable(c) for c in closed.consts):
+    raise ReadsMutableError(name)
   is_traced = [isinstance(c, jax.core.Tracer) for c in closed.consts]
   if not any(is_traced):
     return closed, [], box[-1]

@@ -45,13 +45,14 @@ def param(flags):
   return nnx.Param(jnp.asarray(W), **flags)
 
 
-def three_ways(fn, x):
-  """``fn(x)`` eagerly, under ``jax.jit``, and under a ``jax.jit`` whose
-  argument the function closes over."""
+def three_ways(transform, f, x):
+  """``transform(f)(x)`` eagerly, under ``jax.jit``, and inside a
+  ``jax.jit`` with ``f`` closing over the jit's argument (a tracer of the
+  enclosing trace)."""
   return [
-      fn(x),
-      jax.jit(fn)(x),
-      jax.jit(lambda y: fn(y * 1.0))(x),
+      transform(f)(x),
+      jax.jit(transform(f))(x),
+      jax.jit(lambda y: transform(lambda: f(y))())(x),
   ]
 
 
@@ -69,7 +70,7 @@ class VariablesInConstructsTest(parameterized.TestCase):
 
       return jax.lax.scan(body, 0.0, xs)
 
-    for (carry, ys), got in three_ways(capture(f), XS):
+    for (carry, ys), got in three_ways(capture, f, XS):
       np.testing.assert_allclose(ys, XS * W)
       np.testing.assert_allclose(got['h'][0], XS * W)
       np.testing.assert_allclose(got['total'], np.sum(XS * W))
@@ -85,7 +86,7 @@ class VariablesInConstructsTest(parameterized.TestCase):
       body = lambda c, x: (c, sow(x, name='r', **weighted))
       return jax.lax.scan(body, 0.0, xs)
 
-    for _, got in three_ways(capture(f), XS):
+    for _, got in three_ways(capture, f, XS):
       np.testing.assert_allclose(got['r'], XS.sum(0) * W)
 
   @parameterized.named_parameters(*KINDS[1:])
@@ -140,7 +141,7 @@ class VariablesInConstructsTest(parameterized.TestCase):
       )
 
     for x, expected in ((XS[0], np.sum(XS[0] * W)), (XS[1], np.sum(XS[1]))):
-      for out, got in three_ways(capture(f), x):
+      for out, got in three_ways(capture, f, x):
         np.testing.assert_allclose(out, expected)
         np.testing.assert_allclose(got['r'][0], expected)
 
@@ -155,7 +156,7 @@ class VariablesInConstructsTest(parameterized.TestCase):
 
       return jax.lax.while_loop(lambda c: c < 3.5, body, x)
 
-    for out, got in three_ways(capture(f), jnp.float32(0.0)):
+    for out, got in three_ways(capture, f, jnp.float32(0.0)):
       np.testing.assert_allclose(out, 4 * step)
       np.testing.assert_allclose(got['visits'], 1.0 + 2.0 + 3.0 + 4.0)
 
@@ -163,7 +164,7 @@ class VariablesInConstructsTest(parameterized.TestCase):
   def test_inner_jit(self, flags):
     w = param(flags)
     f = lambda x: jax.jit(lambda x: sow(x * w[...], name='h'))(x)
-    for out, got in three_ways(capture(f), XS[1]):
+    for out, got in three_ways(capture, f, XS[1]):
       np.testing.assert_allclose(out, XS[1] * W)
       np.testing.assert_allclose(got['h'][0], XS[1] * W)
 
@@ -180,7 +181,7 @@ class VariablesInConstructsTest(parameterized.TestCase):
         ({'h': lambda v: 2.0 * v}, 2.0 * XS * W + 1.0),
         ({'h': (rows,)}, rows + 1.0),
     ):
-      for out in three_ways(intervene(f, values), XS):
+      for out in three_ways(lambda g: intervene(g, values), f, XS):
         np.testing.assert_allclose(out, expected)
 
   @parameterized.named_parameters(*KINDS)

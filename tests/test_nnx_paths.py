@@ -667,10 +667,6 @@ class HooksTest(PathsTestCase):
       self.assert_acts(collected, models[i], out=out)
 
 
-if __name__ == '__main__':
-  absltest.main()
-
-
 class SharedTransformedFunctionTest(absltest.TestCase):
   """One NNX-transformed function applied to modules of equal structure."""
 
@@ -743,3 +739,7 @@ class SharedTransformedFunctionTest(absltest.TestCase):
     _, collected = capture(lambda m, x: m(x))(model, x)
     self.assertEqual(list(collected), [('enc', 'act'), ('dec', 'act')])
     self.assertEqual(collected[('enc', 'act')][0].shape, (2, 2, 4))
+
+
+if __name__ == '__main__':
+  absltest.main()

@@ -32,6 +32,7 @@ from flax.nnx.sow.capturing import Collected
 from flax.nnx.sow.capturing import capture
 from flax.nnx.sow.collect import collect_rules
 from flax.nnx.sow.inject import intervene
+from flax.nnx.sow.names import as_path
 from flax.nnx.sow.api import perturb
 from flax.nnx.sow.api import sow
 from flax.nnx.sow.primitive import sow_p
@@ -44,6 +45,7 @@ nnx_shims.install()
 
 __all__ = [
     'Collected',
+    'as_path',
     'capture',
     'collect_rules',
     'collected_to_state',

@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flax.nnx.sow import _jax
+from flax.nnx.sow import display
 from flax.nnx.sow.primitive import MARKER_KINDS
 from flax.nnx.sow.primitive import Name
 from flax.nnx.sow.primitive import sow_p
@@ -425,6 +426,13 @@ class Collected(dict):
   """
 
   cotangents: frozenset = frozenset()
+
+  def __repr__(self) -> str:
+    """A table: one row per name (entries, leaf dtypes and shapes)."""
+    return display.text(self, self.cotangents)
+
+  def __treescope_repr__(self, path, subtree_renderer):
+    return display.treescope_repr(self, path, subtree_renderer)
 
 
 def _flatten_collected(d):

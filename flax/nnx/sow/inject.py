@@ -43,6 +43,7 @@ import typing as tp
 import jax
 
 from flax.nnx.sow import _jax
+from flax.nnx.sow import names
 from flax.nnx.sow.capturing import capture as capture_transform
 from flax.nnx.sow.capturing import check_tags
 from flax.nnx.sow.sites import accepts
@@ -275,12 +276,25 @@ class Replacements:
     if unused:
       raise ValueError(
           f'intervene: no sow that this intervene accepts is named'
-          f' {", ".join(map(repr, unused))}. Check the names (capture(f)'
-          ' returns them) and tags, or pass strict=False to ignore names the'
-          ' program does not sow. (A sow that a capture inside f collects is'
-          ' gone before intervene sees it: write capture(intervene(g,'
-          ' values)) instead.)'
+          f' {", ".join(map(repr, unused))}.'
+          f'{names.did_you_mean(unused[0], self._sown_names(jaxpr))}'
+          ' Check the names (capture(f) returns them) and tags, or pass'
+          ' strict=False to ignore names the program does not sow. (A sow'
+          ' that a capture inside f collects is gone before intervene sees'
+          ' it: write capture(intervene(g, values)) instead.)'
       )
+
+  def _sown_names(self, jaxpr: _jax.Jaxpr) -> list[Name]:
+    """The names of the sows this intervene's tags accept, in order."""
+    return [
+        s.name
+        for s in sow_sites(jaxpr)
+        if not s.eqn.params['remat_copy']
+        and s.eqn.params['kind'] in _REPLACEABLE_KINDS
+        and accepts(
+            self.accepts_key, s.eqn.params['tag'], None, 'value', s.name
+        )
+    ]
 
   def finish(self) -> None:
     """The count check of ``strict=True`` once the whole program has run."""

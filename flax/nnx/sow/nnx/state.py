@@ -165,7 +165,7 @@ def state_to_collected(
   >>> from flax import nnx
   >>> from flax.nnx.sow.nnx.state import state_to_collected
   >>> state = nnx.State({'blocks': {0: {'act': nnx.Intermediate((1.0,))}}})
-  >>> state_to_collected(state)
+  >>> dict(state_to_collected(state))
   {('blocks', 0, 'act'): (1.0,)}
 
   Args:
@@ -212,7 +212,7 @@ def flatten_names(
 
   >>> import jax.numpy as jnp
   >>> from flax.nnx.sow.nnx.state import flatten_names
-  >>> flatten_names({('blocks', 0, 'act'): (jnp.ones(2),), 'loss': 1.0})
+  >>> dict(flatten_names({('blocks', 0, 'act'): (jnp.ones(2),), 'loss': 1.0}))
   {'blocks/0/act': (Array([1., 1.], dtype=float32),), 'loss': 1.0}
 
   Args:

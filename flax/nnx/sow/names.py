@@ -1,0 +1,92 @@
+# Copyright 2026 The Flax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""Sow names as paths, and the names a mistyped selection probably meant.
+
+A sow name is a ``str`` or a tuple path of ``str``/``int``. :func:`as_path`
+gives every name as a tuple, so one predicate serves both kinds
+(``as_path(n)[-1] == 'resid'`` is true for ``'resid'`` and for
+``('blocks', 0, 'resid')``, where ``n[-1]`` would test a string's last
+character). :func:`closest` is what an error about a name that no sow uses
+suggests instead: the same path written the other way (``'h'`` for
+``('h',)``, ``'blocks/0/out'`` for ``('blocks', 0, 'out')``), then the names
+spelled most alike (``difflib``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import typing as tp
+
+from flax.nnx.sow.primitive import Name
+
+
+def as_path(name: Name) -> tuple[tp.Union[str, int], ...]:
+  """A sow name as a tuple path: ``'h'`` -> ``('h',)``; tuples unchanged.
+
+  >>> as_path('resid'), as_path(('blocks', 0, 'resid'))
+  (('resid',), ('blocks', 0, 'resid'))
+
+  Args:
+    name: a sow name (a ``str`` or a tuple of ``str``/``int``).
+
+  Returns:
+    ``(name,)`` for a ``str``, ``name`` itself for a tuple.
+
+  Raises:
+    TypeError: ``name`` is neither.
+  """
+  if isinstance(name, str):
+    return (name,)
+  if isinstance(name, tuple):
+    return name
+  raise TypeError(
+      f'as_path: a sow name is a str or a tuple of str/int, not {name!r}'
+  )
+
+
+def _text(name: tp.Any) -> str:
+  if isinstance(name, tuple):
+    return '/'.join(map(str, name))
+  return str(name)
+
+
+def closest(name: tp.Any, sown: tp.Iterable[tp.Any], n: int = 3) -> list:
+  """The names in ``sown`` that ``name`` was most likely meant to be.
+
+  First the names that are ``name`` written as the other kind of path (a
+  ``str`` for a one-part tuple, ``'a/b/0'`` for ``('a', 'b', 0)``), then
+  those spelled most alike, at most ``n`` in all, in that order.
+  """
+  sown = list(dict.fromkeys(sown))
+  same_path = [s for s in sown if s != name and _text(s) == _text(name)]
+  by_text = {}
+  for s in sown:
+    by_text.setdefault(_text(s), s)
+  alike = difflib.get_close_matches(_text(name), list(by_text), n=n)
+  out = same_path + [by_text[t] for t in alike if by_text[t] not in same_path]
+  return out[:n]
+
+
+def did_you_mean(name: tp.Any, sown: tp.Iterable[tp.Any]) -> str:
+  """``' Did you mean ...?'`` (empty when nothing is close), then the names
+  the program sows (at most 10 of them)."""
+  sown = list(dict.fromkeys(sown))
+  near = closest(name, sown)
+  hint = f' Did you mean {" or ".join(map(repr, near))}?' if near else ''
+  listed = ', '.join(map(repr, sown[:10]))
+  more = f' and {len(sown) - 10} more' if len(sown) > 10 else ''
+  if not sown:
+    return hint + ' The program sows no name here.'
+  return f'{hint} The program sows: {listed}{more}.'

@@ -31,7 +31,8 @@ stream, the model carries the information that decides its answer:
   ``logit(A) - logit(B)`` comes back (0 = corrupted, 1 = clean);
 * attribution patching: the first-order estimate of the same map from one
   backward pass, ``(clean - corrupted) . d metric / d residual``, with the
-  gradients collected by ``perturb`` in ``capture(nnx.grad(metric))``.
+  gradients collected by ``capture(nnx.grad(metric))`` at the same markers
+  (``sow(..., grad=True)``).
 
 It prints the cells where the information flows and the correlation between
 the two maps, and writes both maps side by side as heatmaps to
@@ -64,7 +65,7 @@ import optax
 from flax import nnx
 from tqdm import tqdm
 
-from flax.nnx.sow import capture, intervene, perturb, sow
+from flax.nnx.sow import capture, grad_name, intervene, sow
 
 matplotlib.use('Agg')
 from matplotlib import pyplot as plt  # noqa: E402  (after choosing Agg)
@@ -157,11 +158,12 @@ def patching_prompts(key: jax.Array, batch: int):
 def mark(x: jax.Array, layer: int) -> jax.Array:
   """Marks the residual stream after ``layer`` layers; returns it unchanged.
 
-  The sow is what ``capture`` collects and ``intervene`` replaces; the
-  perturb is where ``capture(jax.grad(...))`` collects the gradient.
+  One marker per site: ``capture`` collects the value under
+  ``('resid', layer)`` and ``intervene`` replaces it there; with
+  ``grad=True``, ``capture(jax.grad(...))`` also collects the gradient with
+  respect to it, under ``grad_name(('resid', layer))``.
   """
-  x = sow(x, name=('resid', layer))
-  return perturb(x, name=('resid_grad', layer))
+  return sow(x, name=('resid', layer), grad=True)
 
 
 class AttentionLayer(nnx.Module):
@@ -294,14 +296,14 @@ def patching_maps(model: Transformer, clean, corrupted, answer, spare):
   activation = jnp.stack(rows)
 
   # Attribution patching: one backward pass on the corrupted prompts. The
-  # perturb marks collect d metric / d residual; the first-order change of
+  # markers' grad=True collects d metric / d residual; the first-order change of
   # the metric when cell (l, p) gets its clean value is the dot product of
   # that gradient with (clean - corrupted), summed over d_model and over the
   # prompts (the metric is their mean, so the gradient carries the 1/batch).
   _, grads = capture(nnx.grad(metric))(model, corrupted)
   rows = []
   for layer, name in enumerate(names):
-    (grad,) = grads[('resid_grad', layer)]
+    (grad,) = grads[grad_name(name)]
     (clean_x,) = clean_resid[name]
     (corrupted_x,) = corrupted_resid[name]
     estimate = jnp.sum((clean_x - corrupted_x) * grad, axis=(0, 2))

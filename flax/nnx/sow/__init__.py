@@ -33,6 +33,7 @@ from flax.nnx.sow.capturing import capture
 from flax.nnx.sow.collect import collect_rules
 from flax.nnx.sow.inject import intervene
 from flax.nnx.sow.names import as_path
+from flax.nnx.sow.names import grad_name
 from flax.nnx.sow.api import perturb
 from flax.nnx.sow.api import sow
 from flax.nnx.sow.primitive import sow_p
@@ -50,6 +51,7 @@ __all__ = [
     'collect_rules',
     'collected_to_state',
     'flatten_names',
+    'grad_name',
     'intervene',
     'nnx_shims',
     'perturb',

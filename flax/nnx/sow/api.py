@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flax.nnx.sow import _jax
+from flax.nnx.sow import names
 from flax.nnx.sow import reductions
 from flax.nnx.sow.primitive import Name
 from flax.nnx.sow.primitive import Reduction
@@ -141,6 +142,7 @@ def sow(
     tag: tp.Hashable = None,
     reduce_fn: tp.Callable[[tp.Any, tp.Any], tp.Any] | None = None,
     init_fn: tp.Callable[[], tp.Any] | None = None,
+    grad: bool = False,
 ) -> tp.Any:
   """Tags ``value`` as an intermediate that an enclosing ``capture`` collects.
 
@@ -148,8 +150,8 @@ def sow(
   Outside a :func:`capture` it is the identity under every JAX transform,
   compiles to nothing and carries no effect (a jitted function keeps JAX's
   fast dispatch path); while a capture stages its function the primitive
-  carries ``SowEffect``, so an unused sow survives until it is collected. Inside one, the value is returned by the capture under
-  ``name``. The idea follows oryx's ``harvest`` (``sow``/``reap``), built as a
+  carries ``SowEffect``, so an unused sow survives until it is collected.
+  Inside one, the value is returned by the capture under ``name``. The idea follows oryx's ``harvest`` (``sow``/``reap``), built as a
   jaxpr rewrite in the style of JAX's ``checkify``.
 
   >>> import jax.numpy as jnp
@@ -178,6 +180,13 @@ def sow(
     init_fn: ``init_fn() -> acc``, the accumulator before the first sow; the
       first site of the name in program order provides it. A Python scalar
       takes the dtype and shape ``reduce_fn`` gives it.
+    grad: also mark the value as :func:`perturb` does, under the name
+      ``grad_name(name)`` (``('grad', *as_path(name))``): differentiated
+      inside a capture, the cotangent arriving at the value is collected
+      there, next to the value under ``name`` (attribution patching from one
+      marker per site). ``intervene`` replaces the value under ``name``; the
+      cotangent is then the one at the replacement (none for a constant
+      replacement, which the differentiated inputs do not reach).
 
   Returns:
     ``value``, unchanged.
@@ -185,9 +194,20 @@ def sow(
   Raises:
     TypeError: if ``name`` is not a str or a tuple of str/int, if a leaf is
       not an array or a scalar, if ``tag`` is not hashable, if only one of
-      ``reduce_fn``/``init_fn`` is given, or if either is not callable.
+      ``reduce_fn``/``init_fn`` is given, if either is not callable, or if
+      ``grad=True`` comes with a reduction (a cotangent is collected per
+      sow, not reduced).
   """
-  return sow_site(value, name, tag, reduce_fn, init_fn, fixed_type=True)
+  if grad and reduce_fn is not None:
+    raise TypeError(
+        f'sow {name!r}: grad=True collects the cotangent of every sown value,'
+        ' which a reduce_fn/init_fn would fold away. Sow the value to reduce'
+        ' under another name, without grad=True.'
+    )
+  out = sow_site(value, name, tag, reduce_fn, init_fn, fixed_type=True)
+  if grad:
+    out = perturb(out, name=names.grad_name(check_name(name)), tag=tag)
+  return out
 
 
 def sow_site(value, name, tag, reduce_fn, init_fn, *, fixed_type: bool):

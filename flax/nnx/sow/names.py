@@ -56,6 +56,15 @@ def as_path(name: Name) -> tuple[tp.Union[str, int], ...]:
   )
 
 
+def grad_name(name: Name) -> tuple[tp.Union[str, int], ...]:
+  """Where ``sow(..., grad=True)`` collects the cotangent of ``name``.
+
+  >>> grad_name(('resid', 0)), grad_name('h')
+  (('grad', 'resid', 0), ('grad', 'h'))
+  """
+  return ('grad', *as_path(name))
+
+
 def _text(name: tp.Any) -> str:
   if isinstance(name, tuple):
     return '/'.join(map(str, name))

@@ -50,7 +50,6 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 # Flax internals used by the shims (adapt here for a new Flax release).
@@ -59,6 +58,7 @@ from flax.nnx import module as _module_lib
 from flax.nnx import variablelib as _variablelib
 
 from flax.nnx.sow.nnx import flax_hooks
+from flax.nnx.sow.nnx import hooks
 from flax.nnx.sow.nnx import state as state_lib
 from flax.nnx.sow.capturing import stage_and_collect
 from flax.nnx.sow.nnx.calls import functional_graph_call
@@ -101,14 +101,6 @@ _ZEROS = '__perturbation_init__'
 
 def _zeros_name(full: Path) -> Path:
   return (_ZEROS, *full)
-
-
-def _is_array_tree(value) -> bool:
-  scalars = (bool, int, float, complex, np.generic)
-  return all(
-      isinstance(leaf, (jax.Array, np.ndarray, jax.core.Tracer, *scalars))
-      for leaf in jax.tree.leaves(value)
-  )
 
 
 # --------------------------------------------------------------------------
@@ -354,45 +346,6 @@ def module_perturb(self, name: str, value, variable_type=nnx.Perturbation):
 
 
 # --------------------------------------------------------------------------
-# method_outputs: wrap each public method for the duration of a capture.
-# --------------------------------------------------------------------------
-
-
-def _method_output_wrapper(method_name: str, method):
-
-  @functools.wraps(method)
-  def wrapper(self, *args, **kwargs):
-    result = method(self, *args, **kwargs)
-    try:
-      found = scope_lib.innermost_naming(
-          self, [s for s in reversed(LOCAL.scopes) if s.method_outputs]
-      )
-    except SharedPathError as e:
-      raise ValueError(
-          f'nnx.capture(method_outputs=...): the output of'
-          f' {type(self).__name__}.{method_name} would be named'
-          f' {(*e.path, method_name)!r}, but {e.why}; give the modules'
-          ' distinct names.'
-      ) from None
-    if found is not None and _is_array_tree(result):
-      scope, path = found
-      full = (*path, method_name)
-      _core_sow(result, name=full, tag=scope.method_outputs)
-    return result
-
-  wrapper._nnx_sow_method_output = True  # pylint: disable=protected-access
-  return wrapper
-
-
-def _wrappable(name, attr) -> bool:
-  if name.startswith('_') and name != '__call__':
-    return False
-  if isinstance(attr, (staticmethod, classmethod, property, type)):
-    return False
-  return callable(attr) and not getattr(attr, '_nnx_sow_method_output', False)
-
-
-# --------------------------------------------------------------------------
 # nnx.capture
 # --------------------------------------------------------------------------
 
@@ -593,7 +546,7 @@ def _capture_each(keys: tuple, pure_f, args: tuple, kwargs: dict):
 @contextlib.contextmanager
 def _methods_sowing_outputs(module, method_outputs: type | None):
   """With ``method_outputs``, the public methods of the classes of
-  ``module``'s submodules sow their outputs (:func:`_method_output_wrapper`)
+  ``module``'s submodules sow their outputs (``hooks.py``'s method wrapper)
   while the capture runs."""
   if method_outputs is None:
     yield
@@ -603,11 +556,8 @@ def _methods_sowing_outputs(module, method_outputs: type | None):
       for _, m in nnx.iter_graph(module, graph=True)
       if isinstance(m, nnx.Module)
   }
-  flax_hooks.wrap_methods(classes, _wrappable, _method_output_wrapper)
-  try:
+  with hooks.wrapped(classes):
     yield
-  finally:
-    flax_hooks.unwrap_methods(classes)
 
 
 # --------------------------------------------------------------------------

@@ -1,0 +1,259 @@
+# Copyright 2026 The Flax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""Module calls as hook points: their outputs sown without editing the model.
+
+This file owns the wrapping of NNX Module methods for the duration of a call
+so that their outputs become sows:
+
+* :func:`module_outputs` (the functional API): ``module_outputs(f,
+  modules=...)`` is ``f`` in which the output of every selected module's
+  ``__call__`` is sown under ``(*path, '__call__')``, the module's path
+  from the roots of the innermost capture plus ``'__call__'`` (the key
+  Flax's ``nnx.capture(..., method_outputs=...)`` uses). ``capture``
+  collects them, ``intervene`` replaces them (the replacement is what the
+  module returns), ``grad=True`` also collects their cotangents.
+* the method wrapper that ``nnx.capture(..., method_outputs=T)`` installs
+  (``shims.py``) is the same one: one wrapper per class serves both.
+
+While a hooked call runs, every Module subclass's public methods and
+``__call__`` are wrapped (``flax_hooks.wrap_methods``, counted, restored
+when the last user leaves); the wrapper does nothing on a thread with no
+active request, so other threads are not affected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import threading
+import typing as tp
+
+import jax
+import numpy as np
+from flax import nnx
+
+from flax.nnx.sow.api import sow as _core_sow
+from flax.nnx.sow.nnx import flax_hooks
+from flax.nnx.sow.nnx import scope as scope_lib
+from flax.nnx.sow.nnx.scope import LOCAL as SCOPES
+from flax.nnx.sow.nnx.scope import SharedPathError
+
+__all__ = ['ModuleOutput', 'module_outputs']
+
+
+class ModuleOutput:
+  """The tag of the sows :func:`module_outputs` leaves at module calls.
+
+  ``capture(f, tags=[ModuleOutput])`` collects only module outputs.
+  """
+
+
+Selector = tp.Callable[[tuple, tp.Any], bool]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Request:
+  select: Selector
+  grad: bool
+
+
+class _Local(threading.local):
+
+  def __init__(self):
+    super().__init__()
+    self.requests: list[_Request] = []
+
+
+_LOCAL = _Local()
+
+
+def _is_array_tree(value) -> bool:
+  scalars = (bool, int, float, complex, np.generic)
+  return all(
+      isinstance(leaf, (jax.Array, np.ndarray, jax.core.Tracer, *scalars))
+      for leaf in jax.tree.leaves(value)
+  )
+
+
+def _selector(modules) -> Selector:
+  if modules is True or modules is None:
+    return lambda path, module: True
+  if isinstance(modules, type) or (
+      isinstance(modules, tuple) and all(isinstance(t, type) for t in modules)
+  ):
+    return lambda path, module: isinstance(module, modules)
+  if callable(modules):
+    return modules
+  raise TypeError(
+      'module_outputs: modules must be True (every module), a Module class'
+      ' or a tuple of classes (isinstance), or a predicate'
+      f' (path, module) -> bool, got {modules!r}.'
+  )
+
+
+def module_outputs(
+    f: tp.Callable[..., tp.Any],
+    modules: tp.Any = True,
+    *,
+    grad: bool = False,
+) -> tp.Callable[..., tp.Any]:
+  """``f`` with the outputs of NNX module calls as hook points.
+
+  Every call of a selected module's ``__call__`` inside ``f`` returns
+  ``sow(output, name=(*path, '__call__'), tag=ModuleOutput)``, where
+  ``path`` is the module's path from the roots of the innermost capture (the
+  modules among the captured function's arguments and those it refers to,
+  as for ``Module.sow``): a model's code needs no sow. Inside an
+  ``nnx.scan`` over stacked layers a block's outputs are stacked per layer,
+  inside loops per iteration, under ``nnx.vmap`` with the mapped axis first,
+  as for any sow. Outputs that are not pytrees of arrays (a ``str``,
+  ``None``) are not sown.
+
+  >>> import jax.numpy as jnp
+  >>> from flax import nnx
+  >>> from flax.nnx.sow import capture, intervene
+  >>> from flax.nnx.sow.nnx.hooks import module_outputs
+  >>> model = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), nnx.relu)
+  >>> f = module_outputs(lambda m, x: m(x), nnx.Linear)
+  >>> _, collected = capture(f)(model, jnp.ones((1, 2)))
+  >>> list(collected)
+  [('layers', 0, '__call__')]
+  >>> zeroed = intervene(f, {('layers', 0, '__call__'): lambda v: v * 0})
+  >>> float(zeroed(model, jnp.ones((1, 2))).sum())
+  0.0
+
+  Args:
+    f: the function to run; it calls NNX modules.
+    modules: which calls are hook points: ``True`` (every module), a Module
+      class or a tuple of classes (``isinstance``), or a predicate
+      ``(path, module) -> bool``.
+    grad: also mark each output as ``sow(..., grad=True)`` does: a capture
+      of a differentiated ``f`` collects the cotangent of the output under
+      ``('grad', *path, '__call__')`` (attribution patching).
+
+  Returns:
+    A function with ``f``'s signature and return value.
+
+  Raises:
+    TypeError: ``modules`` is none of the above.
+    ValueError: (when called) a selected module would share its path with
+      another module (see ``Module.sow``).
+  """
+  request = _Request(_selector(modules), grad)
+
+  @functools.wraps(f)
+  def hooked(*args, **kwargs):
+    with _requested(request):
+      return f(*args, **kwargs)
+
+  return hooked
+
+
+def _module_classes() -> list[type]:
+  seen, todo = [], [nnx.Module]
+  while todo:
+    cls = todo.pop()
+    for sub in cls.__subclasses__():
+      if sub not in seen:
+        seen.append(sub)
+        todo.append(sub)
+  return seen
+
+
+@contextlib.contextmanager
+def _requested(request: _Request):
+  classes = _module_classes()
+  _LOCAL.requests.append(request)
+  with wrapped(classes):
+    try:
+      yield
+    finally:
+      _LOCAL.requests.pop()
+
+
+@contextlib.contextmanager
+def wrapped(classes: tp.Iterable[type]):
+  """The public methods and ``__call__`` of ``classes`` wrapped (one
+  :func:`_method_wrapper` per class, counted) while the block runs."""
+  classes = list(classes)
+  flax_hooks.wrap_methods(classes, _wrappable, _method_wrapper)
+  try:
+    yield
+  finally:
+    flax_hooks.unwrap_methods(classes)
+
+
+def _wrappable(name, attr) -> bool:
+  if name.startswith('_') and name != '__call__':
+    return False
+  if isinstance(attr, (staticmethod, classmethod, property, type)):
+    return False
+  return callable(attr) and not getattr(attr, '_nnx_sow_method_output', False)
+
+
+def _method_wrapper(method_name: str, method):
+
+  @functools.wraps(method)
+  def wrapper(self, *args, **kwargs):
+    result = method(self, *args, **kwargs)
+    if not SCOPES.scopes:
+      return result
+    _method_outputs(self, method_name, result)
+    if method_name == '__call__' and _LOCAL.requests:
+      result = _hook_point(self, result)
+    return result
+
+  wrapper._nnx_sow_method_output = True  # pylint: disable=protected-access
+  return wrapper
+
+
+def _named(self, scopes, what: str):
+  try:
+    return scope_lib.innermost_naming(self, scopes)
+  except SharedPathError as e:
+    raise ValueError(
+        f'{what}: the output of {type(self).__name__} would be named'
+        f' {e.path!r}, but {e.why}; give the modules distinct names.'
+    ) from None
+
+
+def _method_outputs(self, method_name: str, result) -> None:
+  # nnx.capture(..., method_outputs=T): sown under T, never replaced.
+  scopes = [s for s in reversed(SCOPES.scopes) if s.method_outputs]
+  if not scopes:
+    return
+  found = _named(self, scopes, 'nnx.capture(method_outputs=...)')
+  if found is not None and _is_array_tree(result):
+    scope, path = found
+    _core_sow(result, name=(*path, method_name), tag=scope.method_outputs)
+
+
+def _hook_point(self, result):
+  if not jax.tree.leaves(result) or not _is_array_tree(result):
+    return result
+  found = _named(self, list(reversed(SCOPES.scopes)), 'module_outputs')
+  if found is None:
+    return result
+  _, path = found
+  for request in reversed(_LOCAL.requests):
+    if request.select(path, self):
+      return _core_sow(
+          result,
+          name=(*path, '__call__'),
+          tag=ModuleOutput,
+          grad=request.grad,
+      )
+  return result

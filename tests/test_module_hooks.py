@@ -1,0 +1,216 @@
+# Copyright 2026 The Flax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""Module calls as hook points (``module_outputs``), on a model with no sow.
+
+Every expected value is computed by calling the same modules one by one
+without hooks (or, for cotangents, by ``jax.grad`` of the rest of the
+model with respect to the hooked output).
+"""
+
+from absl.testing import absltest
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flax.nnx.sow import capture
+from flax.nnx.sow import intervene
+from flax.nnx.sow.nnx.hooks import ModuleOutput
+from flax.nnx.sow.nnx.hooks import module_outputs
+
+
+class Block(nnx.Module):
+
+  def __init__(self, d, rngs):
+    self.attn = nnx.MultiHeadAttention(
+        num_heads=2, in_features=d, qkv_features=d, decode=False, rngs=rngs
+    )
+    self.mlp = nnx.Linear(d, d, rngs=rngs)
+
+  def __call__(self, x):
+    x = x + self.attn(x)
+    return x + jnp.tanh(self.mlp(x))
+
+
+class Model(nnx.Module):
+
+  def __init__(self, rngs):
+    self.embed = nnx.Linear(3, 4, rngs=rngs)
+    self.blocks = nnx.List([Block(4, rngs) for _ in range(2)])
+    self.head = nnx.Linear(4, 2, rngs=rngs)
+
+  def __call__(self, x):
+    x = self.embed(x)
+    for block in self.blocks:
+      x = block(x)
+    return self.head(x)
+
+
+def _forward(m, x):
+  return m(x)
+
+
+def _by_hand(m, x, mlp1=None):
+  """The model's layers one at a time; ``mlp1`` replaces block 1's mlp."""
+  e = m.embed(x)
+  b0 = m.blocks[0](e)
+  b1_in = b0 + m.blocks[1].attn(b0)
+  mlp = m.blocks[1].mlp(b1_in) if mlp1 is None else mlp1
+  b1 = b1_in + jnp.tanh(mlp)
+  return {'embed': e, 'b0': b0, 'b1': b1, 'mlp1': mlp, 'out': m.head(b1)}
+
+
+class ModuleOutputsTest(absltest.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.model = Model(nnx.Rngs(0))
+    self.x = jax.random.normal(jax.random.key(1), (2, 5, 3))
+
+  def test_every_module_call_by_path(self):
+    ref = _by_hand(self.model, self.x)
+    for wrap in (lambda f: f, jax.jit):
+      out, c = wrap(capture(module_outputs(_forward)))(self.model, self.x)
+      np.testing.assert_allclose(out, ref['out'], rtol=1e-5, atol=1e-6)
+      for name, key in [
+          (('embed', '__call__'), 'embed'),
+          (('blocks', 0, '__call__'), 'b0'),
+          (('blocks', 1, '__call__'), 'b1'),
+          (('blocks', 1, 'mlp', '__call__'), 'mlp1'),
+          (('head', '__call__'), 'out'),
+          (('__call__',), 'out'),
+      ]:
+        (value,) = c[name]
+        np.testing.assert_allclose(value, ref[key], rtol=1e-5, atol=1e-6)
+      # The attention's own projections are modules too.
+      self.assertIn(('blocks', 0, 'attn', 'query', '__call__'), c)
+      self.assertEqual(list(c)[0], ('embed', '__call__'))
+
+  def test_select_by_class_and_by_predicate(self):
+    f = module_outputs(_forward, Block)
+    _, c = capture(f)(self.model, self.x)
+    self.assertEqual(list(c), [('blocks', 0, '__call__'),
+                               ('blocks', 1, '__call__')])
+    f = module_outputs(_forward, lambda path, m: path[-1:] == ('mlp',))
+    _, c = capture(f)(self.model, self.x)
+    self.assertEqual(list(c), [('blocks', 0, 'mlp', '__call__'),
+                               ('blocks', 1, 'mlp', '__call__')])
+    _, c = capture(module_outputs(_forward), tags=[ModuleOutput])(
+        self.model, self.x
+    )
+    self.assertLen(c, 1 + 2 * 7 + 2)  # embed, 7 per block, head, model
+
+  def test_intervene_replaces_what_the_module_returns(self):
+    f = module_outputs(_forward, nnx.Linear)
+    name = ('blocks', 1, 'mlp', '__call__')
+    zeros = jnp.zeros((2, 5, 4))
+    ref = _by_hand(self.model, self.x, mlp1=zeros)['out']
+    for wrap in (lambda f: f, jax.jit):
+      out = wrap(intervene(f, {name: (zeros,)}))(self.model, self.x)
+      np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+      out = wrap(intervene(f, {name: lambda v: v * 0.0}))(self.model, self.x)
+      np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+
+  def test_attribution_cotangent_of_a_module_output(self):
+    f = module_outputs(lambda m, x: jnp.sum(m(x) ** 2), Block, grad=True)
+    _, c = capture(nnx.grad(f))(self.model, self.x)
+    ref = _by_hand(self.model, self.x)
+    expected = jax.grad(lambda b: jnp.sum(self.model.head(b) ** 2))(ref['b1'])
+    (got,) = c[('grad', 'blocks', 1, '__call__')]
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    self.assertIn(('grad', 'blocks', 1, '__call__'), c.cotangents)
+
+  def test_classes_are_restored_after_the_call_and_an_exception(self):
+    before = vars(nnx.Linear)['__call__']
+
+    def boom(m, x):
+      m(x)
+      raise RuntimeError('boom')
+
+    with self.assertRaisesRegex(RuntimeError, 'boom'):
+      capture(module_outputs(boom))(self.model, self.x)
+    self.assertIs(vars(nnx.Linear)['__call__'], before)
+    # Outside a capture a hooked function is f.
+    np.testing.assert_allclose(
+        module_outputs(_forward)(self.model, self.x), self.model(self.x)
+    )
+
+  def test_bad_selection(self):
+    with self.assertRaisesRegex(TypeError, 'module_outputs: modules must'):
+      module_outputs(_forward, 'mlp')
+
+
+class Stacked(nnx.Module):
+
+  def __init__(self, rngs):
+    @nnx.split_rngs(splits=3)
+    @nnx.vmap(in_axes=(0,))
+    def create(rngs):
+      return nnx.Linear(4, 4, rngs=rngs)
+
+    self.layers = create(rngs)
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+    def forward(layer, x):
+      return jnp.tanh(layer(x))
+
+    return forward(self.layers, x)
+
+
+class InsideNnxTransformsTest(absltest.TestCase):
+
+  def test_scan_over_stacked_layers_stacks_per_layer(self):
+    model = Stacked(nnx.Rngs(0))
+    x = jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
+    graphdef, state = nnx.split(model.layers)
+    h, by_hand = x, []
+    for i in range(3):
+      layer = nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state))
+      by_hand.append(layer(h))
+      h = jnp.tanh(by_hand[-1])
+    f = module_outputs(_forward, nnx.Linear)
+    for wrap in (lambda f: f, jax.jit):
+      out, c = wrap(capture(f))(model, x)
+      np.testing.assert_allclose(out, h, rtol=1e-5, atol=1e-6)
+      (stacked,) = c[('layers', '__call__')]
+      np.testing.assert_allclose(stacked, jnp.stack(by_hand), rtol=1e-5,
+                                 atol=1e-6)
+    # Replaced in every layer, the change reaching the next layer.
+    h = x
+    for i in range(3):
+      layer = nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state))
+      h = jnp.tanh(0.5 * layer(h))
+    name = ('layers', '__call__')
+    out = intervene(f, {name: lambda v: 0.5 * v})(model, x)
+    np.testing.assert_allclose(out, h, rtol=1e-5, atol=1e-6)
+    # An array replacement: row i is layer i's output.
+    rows = jnp.stack(by_hand).at[2].set(1.0)
+    out = jax.jit(intervene(f, {name: (rows,)}))(model, x)
+    np.testing.assert_allclose(out, np.tanh(np.ones((2, 4))), rtol=1e-6)
+
+  def test_remat_and_vmap(self):
+    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    x = jnp.arange(12.0).reshape(4, 3) / 10
+
+    def f(m, x):
+      return nnx.vmap(nnx.remat(lambda m, x: m(x)), in_axes=(None, 0))(m, x)
+
+    _, c = capture(module_outputs(f))(model, x)
+    np.testing.assert_allclose(c[('__call__',)][0], model(x), rtol=1e-6)
+
+
+if __name__ == '__main__':
+  absltest.main()

@@ -39,6 +39,7 @@ from flax.nnx.sow.api import sow
 from flax.nnx.sow.primitive import sow_p
 from flax.nnx.sow.nnx.state import collected_to_state
 from flax.nnx.sow.nnx.state import flatten_names
+from flax.nnx.sow.nnx.hooks import module_outputs
 from flax.nnx.sow.nnx.state import state_to_collected
 
 _jax_patches.install()  # every JAX patch, in the inventory's order
@@ -53,6 +54,7 @@ __all__ = [
     'flatten_names',
     'grad_name',
     'intervene',
+    'module_outputs',
     'nnx_shims',
     'perturb',
     'sow',

@@ -43,7 +43,7 @@ import typing as tp
 import jax
 
 from flax.nnx.sow import _jax
-from flax.nnx.sow import names
+from flax.nnx.sow import names as names_lib
 from flax.nnx.sow.capturing import capture as capture_transform
 from flax.nnx.sow.capturing import check_tags
 from flax.nnx.sow.sites import accepts
@@ -277,7 +277,7 @@ class Replacements:
       raise ValueError(
           f'intervene: no sow that this intervene accepts is named'
           f' {", ".join(map(repr, unused))}.'
-          f'{names.did_you_mean(unused[0], self._sown_names(jaxpr))}'
+          f'{names_lib.did_you_mean(unused[0], self._sown_names(jaxpr))}'
           ' Check the names (capture(f) returns them) and tags, or pass'
           ' strict=False to ignore names the program does not sow. (A sow'
           ' that a capture inside f collects is gone before intervene sees'
@@ -617,9 +617,10 @@ def _converted(values):
 
 def intervene(
     f: tp.Callable[..., tp.Any],
-    values: tp.Mapping[Name, tp.Any],
+    values: tp.Mapping[Name, tp.Any] | tp.Callable[[Name, tp.Any], tp.Any],
     *,
     tags: tp.Iterable[tp.Hashable] | None = None,
+    names: tp.Iterable[Name] | tp.Callable[[Name], bool] | None = None,
     strict: bool = True,
 ) -> tp.Callable[..., tp.Any]:
   """Transforms ``f`` so that named sows return replacements.
@@ -651,10 +652,19 @@ def intervene(
       a callable ``fn(value) -> value`` applied to every sown value of the
       name (per example under ``vmap``, per iteration in loops). A
       ``perturb`` name can be replaced (the primal value is). A path-keyed
-      ``nnx.State`` as ``nnx.capture`` returns is accepted too.
+      ``nnx.State`` as ``nnx.capture`` returns is accepted too. Or a hook
+      ``hook(name, value) -> value``, called for every sow that ``names``
+      selects with the sow's name (so one hook can tell layer and position
+      from it), as a callable in ``values`` is.
     tags: ``None`` to replace sows of any tag, or an iterable of tags.
-    strict: reject names that no accepted sow uses and tuples whose length
-      is not the number of sows of their name.
+    names: with a hook only: ``None`` (every accepted sow that is not
+      reduced), an iterable of names (exact match), or a predicate
+      ``name -> bool`` (which also passes over reduced names), as
+      ``capture(names=...)`` selects.
+    strict: reject names that no accepted sow uses (in ``values`` or an
+      iterable ``names``; the error lists the closest names the program
+      sows) and tuples whose length is not the number of sows of their
+      name.
 
   Returns:
     ``g`` with ``g(*args, **kwargs)`` returning what ``f`` returns.
@@ -666,7 +676,8 @@ def intervene(
       the sown value; a reduced name; with ``strict``, an unknown name or a
       wrong number of entries; an array replacement for a sow inside
       ``lax.while_loop`` (pass a callable).
-    TypeError: ``values`` or one of its entries of the wrong type.
+    TypeError: ``values`` or one of its entries of the wrong type, or
+      ``names`` with a mapping of values.
     NotImplementedError: a replaced sow inside a construct with no
       intervene rule (e.g. ``shard_map``).
   """
@@ -682,14 +693,24 @@ def intervene(
     # Not capture's own function but one that copied its attributes (a
     # functools.wraps decorator, jax.jit): intervene on it as it is.
     inner = None
+  if names is not None and not (callable(values) and not isinstance(
+      values, tp.Mapping)):
+    raise TypeError(
+        'intervene: names= selects the sows of a hook, intervene(f,'
+        ' hook, names=...) with hook(name, value) -> value; with a mapping'
+        ' of values, its keys are the names.'
+    )
   if inner is None:
-    values = _normalize(_converted(values))
+    if callable(values) and not isinstance(values, tp.Mapping):
+      values = _hook(values, names)
+    else:
+      values = _normalize(_converted(values))
   else:
     # intervene(capture(g), v) is capture(intervene(g, v)): the capture
     # collects the replaced values.
     g, capture_tags, capture_names = inner
     return capture_transform(
-        intervene(g, values, tags=tags, strict=strict),
+        intervene(g, values, tags=tags, names=names, strict=strict),
         tags=capture_tags,
         names=capture_names,
     )
@@ -718,6 +739,59 @@ def intervene(
   return intervened
 
 
+@dataclasses.dataclass(frozen=True)
+class Hook:
+  """``intervene(f, hook, names=...)``: one ``hook(name, value)`` for every
+  selected sow; the names are chosen once the program is staged."""
+
+  fn: tp.Callable[[Name, tp.Any], tp.Any]
+  names: frozenset | tp.Callable[[Name], bool] | None
+
+  def per_name(self, jaxpr, accepts_key, strict: bool) -> dict[Name, tp.Any]:
+    """One callable per selected name the program sows (not reduced)."""
+    sites = [
+        s
+        for s in sow_sites(jaxpr)
+        if not s.eqn.params['remat_copy']
+        and s.eqn.params['kind'] in _REPLACEABLE_KINDS
+        and accepts(accepts_key, s.eqn.params['tag'], None, 'value', s.name)
+    ]
+    sown = list(dict.fromkeys(s.name for s in sites))
+    reduced = {s.name for s in sites if s.reduction is not None}
+    if isinstance(self.names, frozenset):
+      missing = [n for n in self.names if n not in sown]
+      if missing and strict:
+        raise ValueError(
+            f'intervene: names= lists {missing[0]!r}, which no sow that this'
+            ' intervene accepts uses.'
+            f'{names_lib.did_you_mean(missing[0], sown)} Check the names'
+            ' (capture(f) returns them), or pass strict=False.'
+        )
+      chosen = [n for n in sown if n in self.names]
+    else:
+      # A predicate selects silently; reduced names have no value to hook.
+      chosen = [
+          n
+          for n in sown
+          if n not in reduced and (self.names is None or self.names(n))
+      ]
+    return {n: functools.partial(self.fn, n) for n in chosen}
+
+
+def _hook(values, names_) -> Hook:
+  if isinstance(names_, str) or not (
+      names_ is None or callable(names_) or isinstance(names_, tp.Iterable)
+  ):
+    raise TypeError(
+        'intervene: names= is an iterable of sow names (wrap one name in a'
+        ' list: names=[name]) or a predicate name -> bool, got'
+        f' {names_!r}.'
+    )
+  if names_ is not None and not callable(names_):
+    names_ = frozenset(names_)
+  return Hook(values, names_)
+
+
 class _Token:
   """Identifies one ``intervene(...)`` call (see ``cached_rewrite``)."""
 
@@ -725,12 +799,17 @@ class _Token:
 
 
 def _stage_and_intervene(f, accepts_key, values, strict, token, args, kwargs):
-  key = Intervening(
-      frozenset(values),
-      frozenset(n for n, v in values.items() if isinstance(v, Entries)),
-      accepts_key,
-  )
+  if isinstance(values, Hook):
+    key = Intervening(None, frozenset(), accepts_key)
+  else:
+    key = Intervening(
+        frozenset(values),
+        frozenset(n for n, v in values.items() if isinstance(v, Entries)),
+        accepts_key,
+    )
   staged = stage(f, key, args, kwargs)
+  if isinstance(values, Hook):
+    values = values.per_name(staged.closed.jaxpr, accepts_key, strict)
   injector = Injector(accepts_key, values, strict, token)
   closed = staged.closed
   injector.replacements.check_sites(closed.jaxpr)

@@ -122,17 +122,19 @@ class Intervening:
   """The staging key of ``intervene`` (``inject.py``): its sows are
   staged effectful, like a capture's, but no capture accepts them.
 
-  ``names`` and ``tags`` (``None``: every tag) say which sows it replaces;
-  ``arrays``, which of the names by arrays (the others by callables).
+  ``names`` (``None``: every name, for a hook that selects its names once
+  the program is staged) and ``tags`` (``None``: every tag) say which sows
+  it replaces; ``arrays``, which of the names by arrays (the others by
+  callables).
   """
 
-  names: frozenset[Name]
+  names: frozenset[Name] | None
   arrays: frozenset[Name]
   tags: frozenset | None
 
   def replaces(self, params: dict[str, tp.Any]) -> bool:
     return (
-        params['name'] in self.names
+        (self.names is None or params['name'] in self.names)
         and params['kind'] in ('value', 'perturb', KEPT)
         and (self.tags is None or params['tag'] in self.tags)
     )

@@ -780,6 +780,128 @@ class LinearizedFunctionTest(parameterized.TestCase):
 
 
 # ----------------------------------------------------------------------------
+# key order under the transforms of SPEC *Invariance*
+
+
+def _inner_scan(a, c):
+  step = lambda c2, z: (c2 + sow(z * c2, name='second'), None)
+  return jax.lax.scan(step, c, a[None])[0]
+
+
+def _inner_fori(a, c):
+  body = lambda i, c2: c2 + sow(a * c2, name='second')
+  return jax.lax.fori_loop(0, 1, body, c)
+
+
+def _inner_cond(a, c):
+  return jax.lax.cond(
+      a > 0.0,
+      lambda: c + sow(a * c, name='second'),
+      lambda: c - sow(a * c, name='second'),
+  )
+
+
+def _inner_jit(a, c):
+  return jax.jit(lambda a: c + sow(a * c, name='second'))(a)
+
+
+_INNER = {
+    'scan': _inner_scan,
+    'fori': _inner_fori,
+    'cond': _inner_cond,
+    'jit': _inner_jit,
+}
+
+
+def _first_then_inner(inner, checkpoint_body=False):
+  """A ``vmap`` in a ``scan`` body sows ``'first'``, then runs ``inner``
+  (which sows ``'second'``) on it: the batched inner construct leaves an
+  order marker with no operands, which scan's hoisting under ``grad`` once
+  moved out of the loop, ahead of ``'first'``."""
+
+  def body(c, xi):
+    per = lambda v: inner(sow(v * c, name='first'), c)
+    return jax.vmap(per)(xi).sum(), None
+
+  if checkpoint_body:
+    body = jax.checkpoint(body)
+  return lambda x: jax.lax.scan(body, jnp.float32(0.5), x)[0]
+
+
+def _first_then_inner_by_hand(inner_name, x):
+  """``'first'`` and ``'second'`` of :func:`_first_then_inner`, in NumPy."""
+  first, second, c = [], [], np.float32(0.5)
+  for xi in x:
+    a = xi * c
+    first.append(a)
+    second.append(a * c)
+    if inner_name == 'cond':
+      c = np.sum(np.where(a > 0, c + a * c, c - a * c))
+    else:
+      c = np.sum(c + a * c)
+  second = np.stack(second)
+  if inner_name in ('scan', 'fori'):
+    second = second[..., None]  # the inner loop's own (length 1) axis
+  return np.stack(first), second
+
+
+_ONES = np.ones((2, 3), np.float32)
+_KEY_ORDER_TRANSFORMS = {
+    'identity': lambda f: f,
+    'jit': jax.jit,
+    'grad': jax.grad,
+    'value_and_grad': jax.value_and_grad,
+    'jit_grad': lambda f: jax.jit(jax.grad(f)),
+    'linearize': lambda f: lambda x: jax.linearize(f, x)[1](_ONES),
+    'checkpoint': jax.checkpoint,
+    'grad_checkpoint_nothing_saveable': lambda f: jax.grad(
+        jax.checkpoint(f, policy=jax.checkpoint_policies.nothing_saveable)
+    ),
+    'grad_checkpoint_dots_saveable': lambda f: jax.grad(
+        jax.checkpoint(f, policy=jax.checkpoint_policies.dots_saveable)
+    ),
+}
+
+
+class KeyOrderUnderTransformsTest(parameterized.TestCase):
+  """SPEC *Invariance*: ``capture(T(f))`` has the keys of ``capture(f)``, in
+  order of first sow in ``f`` as written, for every ``T`` of the SPEC."""
+
+  @parameterized.named_parameters(
+      (f'{inner}_{transform}{"_remat_body" * remat}', inner, transform, remat)
+      for inner in _INNER
+      for transform in _KEY_ORDER_TRANSFORMS
+      for remat in (False, True)
+  )
+  def test_first_sow_first(self, inner, transform, checkpoint_body):
+    f = _first_then_inner(_INNER[inner], checkpoint_body)
+    x = np.array([[0.5, -1.0, 2.0], [1.5, 0.25, -0.5]], np.float32)
+    _, collected = capture(_KEY_ORDER_TRANSFORMS[transform](f))(x)
+    self.assertEqual(list(collected), ['first', 'second'])
+    first, second = _first_then_inner_by_hand(inner, x)
+    (got_first,), (got_second,) = collected['first'], collected['second']
+    np.testing.assert_allclose(got_first, first, rtol=1e-5)
+    np.testing.assert_allclose(got_second, second, rtol=1e-5)
+
+  @parameterized.named_parameters(
+      ('grad', jax.grad), ('linearize', _KEY_ORDER_TRANSFORMS['linearize'])
+  )
+  def test_under_an_enclosing_jit(self, transform):
+    # ``f`` closes over a tracer of the enclosing jit.
+    x = np.array([[0.5, -1.0, 2.0], [1.5, 0.25, -0.5]], np.float32)
+
+    @jax.jit
+    def run(x, scale):
+      f = _first_then_inner(_inner_scan)
+      return capture(transform(lambda x: f(x * scale)))(x)[1]
+
+    collected = run(x, jnp.float32(1.0))
+    self.assertEqual(list(collected), ['first', 'second'])
+    first, _ = _first_then_inner_by_hand('scan', x)
+    np.testing.assert_allclose(collected['first'][0], first, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------
 # cotangents of several backward passes
 
 

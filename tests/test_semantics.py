@@ -661,7 +661,10 @@ class UnusedCheckpointTest(parameterized.TestCase):
 class PerturbInWhileLoopTest(parameterized.TestCase):
   """A ``perturb`` in a ``while_loop`` body: reverse mode cannot
   differentiate the loop, so nothing is ever collected for it (SPEC: not
-  differentiated, nothing is collected); it is not a plain sow to refuse."""
+  differentiated, nothing is collected); it is not a plain sow to refuse.
+  Differentiated inside the body (a ``grad`` there), its cotangents cannot
+  be stacked: a ``ValueError`` naming the perturb and the loop says what to
+  do instead."""
 
   @staticmethod
   def _loop(x):
@@ -690,6 +693,56 @@ class PerturbInWhileLoopTest(parameterized.TestCase):
     out, collected = capture(jax.vmap(loop))(jnp.array([1.0, 3.0]))
     np.testing.assert_allclose(out, [16.0, 12.0])  # 3 -> 6 -> 12
     self.assertEqual(dict(collected), {})
+
+  @staticmethod
+  def _grad_in_body(x, bounds='while'):
+    # The perturb is differentiated inside the body: its cotangent would be
+    # one entry per iteration, and the number of iterations is unknown.
+    def step(v):  # v + d/du (2 u)^2 / 4 = 3 v
+      return v + jax.grad(lambda u: perturb(u * 2.0, name='dp') ** 2 / 4.0)(v)
+
+    if bounds == 'fori':  # traced bounds: a while_loop
+      n = jnp.int32(3) + 0 * x.astype(jnp.int32)
+      return jax.lax.fori_loop(0, n, lambda i, v: step(v), x)
+    return jax.lax.while_loop(lambda v: v < 10.0, step, x)
+
+  @parameterized.named_parameters(
+      ('while_eager', 'while', lambda f: f),
+      ('while_jit', 'while', jax.jit),
+      ('fori_traced_bounds_jit', 'fori', jax.jit),  # eagerly they are static
+      ('while_vmap', 'while', jax.vmap),
+  )
+  def test_differentiated_in_the_body_raises(self, bounds, transform):
+    f = transform(lambda x: self._grad_in_body(x, bounds))
+    x = jnp.array([1.0, 2.0]) if transform is jax.vmap else jnp.float32(1.0)
+    with self.assertRaisesRegex(
+        ValueError,
+        r"(?s)perturb 'dp'.*differentiated inside the body of"
+        r' `lax.while_loop`.*Use `lax.scan` or a `fori_loop` with static'
+        r' bounds.*or call perturb outside the loop',
+    ):
+      capture(f)(x)
+
+  def test_differentiated_in_the_body_without_a_capture(self):
+    # Without a capture nothing is collected, nothing raises: 1, 3, 9, 27.
+    np.testing.assert_allclose(self._grad_in_body(jnp.float32(1.0)), 27.0)
+    np.testing.assert_allclose(
+        jax.jit(self._grad_in_body)(jnp.float32(1.0)), 27.0
+    )
+
+  def test_static_fori_loop_collects_the_cotangents(self):
+    # The advice of the error: a fori_loop with static bounds stacks them.
+    def f(x):
+      step = lambda i, v: v + jax.grad(
+          lambda u: perturb(u * 2.0, name='dp') ** 2 / 4.0
+      )(v)
+      return jax.lax.fori_loop(0, 3, step, x)
+
+    out, collected = capture(f)(jnp.float32(1.0))
+    np.testing.assert_allclose(out, 27.0)
+    self.assertEqual(list(collected), ['dp'])
+    # d (h^2 / 4) / dh = h / 2 = v, at v = 1, 3, 9.
+    np.testing.assert_allclose(collected['dp'][0], [1.0, 3.0, 9.0])
 
 
 class LoopInvariantCondTest(parameterized.TestCase):

@@ -19,11 +19,14 @@ so the ``Collected`` a capture returns must be registered for serialization
 (with its key order and its ``cotangents`` mark). Each test exports
 ``jax.jit(capture(f))``, serializes it to bytes, deserializes the bytes and
 calls the result; expected values are written out by hand with ``numpy``.
+An intervened or captured function that leaves sows in place (names it does
+not replace or collect) serializes too, in every construct.
 """
 
 from __future__ import annotations
 
 from absl.testing import absltest
+from absl.testing import parameterized
 from flax import nnx
 import jax
 import jax.numpy as jnp
@@ -124,6 +127,99 @@ class PlainExportTest(absltest.TestCase):
     exported = jax.export.export(jax.jit(f))(X)
     with self.assertRaisesRegex(TypeError, 'the key 1.5 of type float'):
       exported.serialize()
+
+
+@jax.custom_jvp
+def _sin_sowing(x):
+  return jnp.sin(sow(x, name='other'))
+
+
+@_sin_sowing.defjvp
+def _sin_sowing_jvp(primals, tangents):
+  (x,), (t,) = primals, tangents
+  return _sin_sowing(x), jnp.cos(x) * t
+
+
+def _scan(y):
+  step = lambda c, yi: (c + sow(yi * c, name='other'), None)
+  return jax.lax.scan(step, jnp.float32(1.0), y)[0]
+
+
+def _scan_by_hand(y):
+  c = np.float32(1.0)
+  for yi in y:
+    c = c + yi * c
+  return c
+
+
+def _while(y):
+  body = lambda s: (s[0] + 1, s[1] * sow(jnp.float32(2.0), name='other'))
+  return jax.lax.while_loop(lambda s: s[0] < 3, body, (0, y))[1]
+
+
+def _cond(y):
+  return jax.lax.cond(
+      y.sum() > 0.0,
+      lambda v: sow(v * 2.0, name='other'),
+      lambda v: sow(v * 3.0, name='other'),
+      y,
+  )
+
+
+# construct -> (g's tail after the replaced sow 'c', the same tail in NumPy)
+_LEFT_IN_PLACE = {
+    'scan': (_scan, _scan_by_hand),
+    'while': (_while, lambda y: y * 8.0),
+    'cond': (_cond, lambda y: y * (2.0 if y.sum() > 0 else 3.0)),
+    'jit': (
+        jax.jit(lambda y: sow(y * 2.0, name='other') + 1.0),
+        lambda y: y * 2.0 + 1.0,
+    ),
+    'checkpoint': (
+        jax.checkpoint(lambda y: jnp.sin(sow(y * 2.0, name='other'))),
+        lambda y: np.sin(y * 2.0),
+    ),
+    'custom_jvp': (_sin_sowing, np.sin),
+}
+
+
+class SowsLeftInPlaceExportTest(parameterized.TestCase):
+  """An intervened or captured function still holds the sows it does not
+  replace or collect; it serializes with them (they carry ``Sow``, an
+  effect ``jax.export`` can write and read back)."""
+
+  @parameterized.named_parameters((c, c) for c in _LEFT_IN_PLACE)
+  def test_intervene_leaves_a_sow(self, construct):
+    tail, by_hand = _LEFT_IN_PLACE[construct]
+    g = lambda x: tail(sow(x * 2.0, name='c'))
+    for values in ({'c': lambda v: v + 1.0}, {'c': (X * 2.0 + 1.0,)}):
+      exported = round_trip(intervene(g, values), X)
+      for call in (exported.call, jax.jit(exported.call)):
+        close(call(X), by_hand(X * 2.0 + 1.0))
+
+  @parameterized.named_parameters((c, c) for c in _LEFT_IN_PLACE)
+  def test_capture_leaves_a_sow(self, construct):
+    tail, by_hand = _LEFT_IN_PLACE[construct]
+    g = lambda x: tail(sow(x * 2.0, name='c'))
+    exported = round_trip(capture(g, names=['c']), X)
+    out, collected = exported.call(X)
+    close(out, by_hand(X * 2.0))
+    self.assertEqual(list(collected), ['c'])
+    close(collected['c'][0], X * 2.0)
+
+  def test_intervene_inside_a_capture(self):
+    # The capture collects 'other' around an intervene that leaves it, and
+    # the replacement at 'c'.
+    g = lambda x: _scan(sow(x * 2.0, name='c'))
+    fn = capture(intervene(g, {'c': lambda v: v + 1.0}))
+    exported = round_trip(fn, X)
+    out, collected = exported.call(X)
+    y = X * 2.0 + 1.0
+    close(out, _scan_by_hand(y))
+    carries = np.cumprod(np.concatenate([[1.0], 1.0 + y[:-1]]))
+    self.assertEqual(list(collected), ['c', 'other'])
+    close(collected['c'][0], y)
+    close(collected['other'][0], y * carries)
 
 
 class Dense(nnx.Module):

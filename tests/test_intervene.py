@@ -1637,6 +1637,108 @@ if __name__ == '__main__':
   absltest.main()
 
 
+def _pair(x):
+  a, b = sow((x, 2.0 * x), name='pair')
+  return a * b
+
+
+def _pair_in_scan(xs):
+  return jax.lax.scan(lambda c, x: (c + _pair(x), None), 0.0, xs)[0]
+
+
+def _pair_in_cond(x):
+  return jax.lax.cond(x.sum() > 0.0, _pair, lambda x: -_pair(x), x)
+
+
+_TYPE_RULE = (
+    r"(?s)sow 'pair'.*converted as jnp.asarray converts it.*must have the"
+    r' structure \(a list is not a tuple\), shape and dtype'
+)
+
+
+class ReplacementConversionTest(parameterized.TestCase):
+  """docs/guide.md: a replacement is converted as ``jnp.asarray`` converts
+  it, then must have the sown value's structure, shape and dtype exactly;
+  the same rule at top level, in a ``jit``, a ``scan`` (rows) and a
+  ``cond``, for entries and for callables."""
+
+  # program -> (its argument, whether its sow is in a loop (one row per
+  # iteration), the output by hand for replacements a, b of the pair)
+  PROGRAMS = {
+      'top': (_pair, X, False, lambda a, b: a * b),
+      'jit': (jax.jit(_pair), X, False, lambda a, b: a * b),
+      'scan': (_pair_in_scan, XS, True, lambda a, b: 4 * a * b),
+      # X sums to -0.2: the second branch runs.
+      'cond': (_pair_in_cond, X, False, lambda a, b: -a * b),
+  }
+
+  @staticmethod
+  def _entry(x, in_loop, leaves):
+    shape = x.shape if not in_loop else (len(x),)
+    full = lambda v: np.full(shape, v, np.asarray(v).dtype)
+    return jax.tree.map(full, leaves)
+
+  @parameterized.named_parameters((p, p) for p in PROGRAMS)
+  def test_float64_numpy_becomes_float32(self, program):
+    f, x, in_loop, by_hand = self.PROGRAMS[program]
+    a, b = np.float64(0.5), np.float64(-3.0)
+    entry = self._entry(x, in_loop, (a, b))
+    self.assertEqual(entry[0].dtype, np.float64)
+    g = intervene(f, {'pair': (entry,)})
+    for run in (g, jax.jit(g)):
+      out = run(x)
+      self.assertEqual(out.dtype, jnp.float32)  # typed as in f
+      want = by_hand(np.float32(a), np.float32(b))
+      np.testing.assert_allclose(out, np.broadcast_to(want, out.shape))
+
+  @parameterized.named_parameters((p, p) for p in PROGRAMS)
+  def test_refused(self, program):
+    f, x, in_loop, _ = self.PROGRAMS[program]
+    one, i_one = np.float32(1.0), np.int32(1)
+    wrong = {
+        'int for float': (i_one, one),
+        'list for tuple': [one, one],
+        'dict for tuple': {'a': one, 'b': one},
+    }
+    for what, leaves in wrong.items():
+      with self.subTest(what):
+        entry = self._entry(x, in_loop, leaves)
+        with self.assertRaisesRegex(ValueError, _TYPE_RULE):
+          intervene(f, {'pair': (entry,)})(x)
+        with self.assertRaisesRegex(ValueError, _TYPE_RULE):
+          jax.jit(intervene(f, {'pair': (entry,)}))(x)
+
+  @parameterized.named_parameters((p, p) for p in PROGRAMS)
+  def test_callable_returning_a_list_is_refused(self, program):
+    f, x, _, _ = self.PROGRAMS[program]
+    with self.assertRaisesRegex(ValueError, _TYPE_RULE):
+      intervene(f, {'pair': list})(x)
+
+  def test_python_int_for_float_is_refused(self):
+    h = lambda x: sow(jnp.sum(x), name='s') * 2.0
+    with self.assertRaisesRegex(
+        ValueError, r"(?s)sow 's'.*int32\[\].*float32\[\]"
+    ):
+      intervene(h, {'s': (3,)})(X)
+    # A Python float is a float32 (weakly typed) and takes the sow's type.
+    out = intervene(h, {'s': (3.0,)})(X)
+    self.assertEqual(out.dtype, jnp.float32)
+    np.testing.assert_allclose(out, 6.0)
+
+  def test_float64_numpy_under_x64_is_refused(self):
+    # With x64 on, jnp.asarray keeps float64: it is not the sown float32.
+    with jax.enable_x64(True):
+      with self.assertRaisesRegex(
+          ValueError, r"(?s)sow 'pair'.*float64\[3\].*float32\[3\]"
+      ):
+        intervene(_pair, {'pair': ((np.ones(3), np.ones(3)),)})(X)
+
+  def test_a_list_of_entries_is_read_as_the_tuple(self):
+    h = lambda x: sow(x, name='h') + sow(2.0 * x, name='h')
+    out = intervene(h, {'h': [R1, R2]})(X)
+    np.testing.assert_allclose(out, R1 + R2)
+
+
 class CollectedFromGradientRunTest(absltest.TestCase):
 
   def test_cotangents_are_not_patched_in_as_values(self):

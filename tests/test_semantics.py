@@ -661,7 +661,10 @@ class UnusedCheckpointTest(parameterized.TestCase):
 class PerturbInWhileLoopTest(parameterized.TestCase):
   """A ``perturb`` in a ``while_loop`` body: reverse mode cannot
   differentiate the loop, so nothing is ever collected for it (SPEC: not
-  differentiated, nothing is collected); it is not a plain sow to refuse."""
+  differentiated, nothing is collected); it is not a plain sow to refuse.
+  Differentiated inside the body (a ``grad`` there), its cotangents cannot
+  be stacked: a ``ValueError`` naming the perturb and the loop says what to
+  do instead."""
 
   @staticmethod
   def _loop(x):
@@ -690,6 +693,56 @@ class PerturbInWhileLoopTest(parameterized.TestCase):
     out, collected = capture(jax.vmap(loop))(jnp.array([1.0, 3.0]))
     np.testing.assert_allclose(out, [16.0, 12.0])  # 3 -> 6 -> 12
     self.assertEqual(dict(collected), {})
+
+  @staticmethod
+  def _grad_in_body(x, bounds='while'):
+    # The perturb is differentiated inside the body: its cotangent would be
+    # one entry per iteration, and the number of iterations is unknown.
+    def step(v):  # v + d/du (2 u)^2 / 4 = 3 v
+      return v + jax.grad(lambda u: perturb(u * 2.0, name='dp') ** 2 / 4.0)(v)
+
+    if bounds == 'fori':  # traced bounds: a while_loop
+      n = jnp.int32(3) + 0 * x.astype(jnp.int32)
+      return jax.lax.fori_loop(0, n, lambda i, v: step(v), x)
+    return jax.lax.while_loop(lambda v: v < 10.0, step, x)
+
+  @parameterized.named_parameters(
+      ('while_eager', 'while', lambda f: f),
+      ('while_jit', 'while', jax.jit),
+      ('fori_traced_bounds_jit', 'fori', jax.jit),  # eagerly they are static
+      ('while_vmap', 'while', jax.vmap),
+  )
+  def test_differentiated_in_the_body_raises(self, bounds, transform):
+    f = transform(lambda x: self._grad_in_body(x, bounds))
+    x = jnp.array([1.0, 2.0]) if transform is jax.vmap else jnp.float32(1.0)
+    with self.assertRaisesRegex(
+        ValueError,
+        r"(?s)perturb 'dp'.*differentiated inside the body of"
+        r' `lax.while_loop`.*Use `lax.scan` or a `fori_loop` with static'
+        r' bounds.*or call perturb outside the loop',
+    ):
+      capture(f)(x)
+
+  def test_differentiated_in_the_body_without_a_capture(self):
+    # Without a capture nothing is collected, nothing raises: 1, 3, 9, 27.
+    np.testing.assert_allclose(self._grad_in_body(jnp.float32(1.0)), 27.0)
+    np.testing.assert_allclose(
+        jax.jit(self._grad_in_body)(jnp.float32(1.0)), 27.0
+    )
+
+  def test_static_fori_loop_collects_the_cotangents(self):
+    # The advice of the error: a fori_loop with static bounds stacks them.
+    def f(x):
+      step = lambda i, v: v + jax.grad(
+          lambda u: perturb(u * 2.0, name='dp') ** 2 / 4.0
+      )(v)
+      return jax.lax.fori_loop(0, 3, step, x)
+
+    out, collected = capture(f)(jnp.float32(1.0))
+    np.testing.assert_allclose(out, 27.0)
+    self.assertEqual(list(collected), ['dp'])
+    # d (h^2 / 4) / dh = h / 2 = v, at v = 1, 3, 9.
+    np.testing.assert_allclose(collected['dp'][0], [1.0, 3.0, 9.0])
 
 
 class LoopInvariantCondTest(parameterized.TestCase):
@@ -777,6 +830,128 @@ class LinearizedFunctionTest(parameterized.TestCase):
     out, collected = capture(lin)(X)
     np.testing.assert_allclose(out, lin(X), rtol=1e-6)
     self.assertEqual(int(collected['steps']), 3)
+
+
+# ----------------------------------------------------------------------------
+# key order under the transforms of SPEC *Invariance*
+
+
+def _inner_scan(a, c):
+  step = lambda c2, z: (c2 + sow(z * c2, name='second'), None)
+  return jax.lax.scan(step, c, a[None])[0]
+
+
+def _inner_fori(a, c):
+  body = lambda i, c2: c2 + sow(a * c2, name='second')
+  return jax.lax.fori_loop(0, 1, body, c)
+
+
+def _inner_cond(a, c):
+  return jax.lax.cond(
+      a > 0.0,
+      lambda: c + sow(a * c, name='second'),
+      lambda: c - sow(a * c, name='second'),
+  )
+
+
+def _inner_jit(a, c):
+  return jax.jit(lambda a: c + sow(a * c, name='second'))(a)
+
+
+_INNER = {
+    'scan': _inner_scan,
+    'fori': _inner_fori,
+    'cond': _inner_cond,
+    'jit': _inner_jit,
+}
+
+
+def _first_then_inner(inner, checkpoint_body=False):
+  """A ``vmap`` in a ``scan`` body sows ``'first'``, then runs ``inner``
+  (which sows ``'second'``) on it: the batched inner construct leaves an
+  order marker with no operands, which scan's hoisting under ``grad`` once
+  moved out of the loop, ahead of ``'first'``."""
+
+  def body(c, xi):
+    per = lambda v: inner(sow(v * c, name='first'), c)
+    return jax.vmap(per)(xi).sum(), None
+
+  if checkpoint_body:
+    body = jax.checkpoint(body)
+  return lambda x: jax.lax.scan(body, jnp.float32(0.5), x)[0]
+
+
+def _first_then_inner_by_hand(inner_name, x):
+  """``'first'`` and ``'second'`` of :func:`_first_then_inner`, in NumPy."""
+  first, second, c = [], [], np.float32(0.5)
+  for xi in x:
+    a = xi * c
+    first.append(a)
+    second.append(a * c)
+    if inner_name == 'cond':
+      c = np.sum(np.where(a > 0, c + a * c, c - a * c))
+    else:
+      c = np.sum(c + a * c)
+  second = np.stack(second)
+  if inner_name in ('scan', 'fori'):
+    second = second[..., None]  # the inner loop's own (length 1) axis
+  return np.stack(first), second
+
+
+_ONES = np.ones((2, 3), np.float32)
+_KEY_ORDER_TRANSFORMS = {
+    'identity': lambda f: f,
+    'jit': jax.jit,
+    'grad': jax.grad,
+    'value_and_grad': jax.value_and_grad,
+    'jit_grad': lambda f: jax.jit(jax.grad(f)),
+    'linearize': lambda f: lambda x: jax.linearize(f, x)[1](_ONES),
+    'checkpoint': jax.checkpoint,
+    'grad_checkpoint_nothing_saveable': lambda f: jax.grad(
+        jax.checkpoint(f, policy=jax.checkpoint_policies.nothing_saveable)
+    ),
+    'grad_checkpoint_dots_saveable': lambda f: jax.grad(
+        jax.checkpoint(f, policy=jax.checkpoint_policies.dots_saveable)
+    ),
+}
+
+
+class KeyOrderUnderTransformsTest(parameterized.TestCase):
+  """SPEC *Invariance*: ``capture(T(f))`` has the keys of ``capture(f)``, in
+  order of first sow in ``f`` as written, for every ``T`` of the SPEC."""
+
+  @parameterized.named_parameters(
+      (f'{inner}_{transform}{"_remat_body" * remat}', inner, transform, remat)
+      for inner in _INNER
+      for transform in _KEY_ORDER_TRANSFORMS
+      for remat in (False, True)
+  )
+  def test_first_sow_first(self, inner, transform, checkpoint_body):
+    f = _first_then_inner(_INNER[inner], checkpoint_body)
+    x = np.array([[0.5, -1.0, 2.0], [1.5, 0.25, -0.5]], np.float32)
+    _, collected = capture(_KEY_ORDER_TRANSFORMS[transform](f))(x)
+    self.assertEqual(list(collected), ['first', 'second'])
+    first, second = _first_then_inner_by_hand(inner, x)
+    (got_first,), (got_second,) = collected['first'], collected['second']
+    np.testing.assert_allclose(got_first, first, rtol=1e-5)
+    np.testing.assert_allclose(got_second, second, rtol=1e-5)
+
+  @parameterized.named_parameters(
+      ('grad', jax.grad), ('linearize', _KEY_ORDER_TRANSFORMS['linearize'])
+  )
+  def test_under_an_enclosing_jit(self, transform):
+    # ``f`` closes over a tracer of the enclosing jit.
+    x = np.array([[0.5, -1.0, 2.0], [1.5, 0.25, -0.5]], np.float32)
+
+    @jax.jit
+    def run(x, scale):
+      f = _first_then_inner(_inner_scan)
+      return capture(transform(lambda x: f(x * scale)))(x)[1]
+
+    collected = run(x, jnp.float32(1.0))
+    self.assertEqual(list(collected), ['first', 'second'])
+    first, _ = _first_then_inner_by_hand('scan', x)
+    np.testing.assert_allclose(collected['first'][0], first, rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------

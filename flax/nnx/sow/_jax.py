@@ -485,27 +485,35 @@ def stage_as_unknown(trace, closed: ClosedJaxpr, args) -> list[tp.Any]:
   env.update(zip(closed.jaxpr.constvars, map(unknown, closed.consts)))
   env.update(zip(closed.jaxpr.invars, map(unknown, args)))
   for eqn in closed.jaxpr.eqns:
-    ins = [read(v) for v in eqn.invars]
-    outs = [
-        pe.JaxprTracer(trace, pe.PartialVal.unknown(v.aval), None)
-        for v in eqn.outvars
-    ]
-    recipe = pe.new_eqn_recipe(
+    outs = _staged(
         trace,
-        ins,
-        outs,
+        [read(v) for v in eqn.invars],
+        [v.aval for v in eqn.outvars],
         eqn.primitive,
         eqn.params,
         eqn.effects,
         eqn.source_info,
         eqn.ctx,
     )
-    for t in outs:
-      t.recipe = recipe
-    if effects.partial_eval_kept_effects.filter_in(eqn.effects):
-      trace.effect_handles.append(pe.EffectHandle(ins, recipe))
     env.update(zip(eqn.outvars, outs))
   return [read(v) for v in closed.jaxpr.outvars]
+
+
+def _staged(trace, ins, out_avals, primitive, params, effs, source, ctx=None):
+  """One equation staged into the partial evaluation ``trace`` on the
+  unknown tracers ``ins``, kept whether or not its outputs are used if its
+  effects are ones partial evaluation keeps; its output tracers."""
+  outs = [
+      pe.JaxprTracer(trace, pe.PartialVal.unknown(a), None) for a in out_avals
+  ]
+  recipe = pe.new_eqn_recipe(
+      trace, ins, outs, primitive, params, effs, source, ctx
+  )
+  for t in outs:
+    t.recipe = recipe
+  if effects.partial_eval_kept_effects.filter_in(effs):
+    trace.effect_handles.append(pe.EffectHandle(ins, recipe))
+  return outs
 
 
 def keep_if_sowing(trace, in_tracers, recipe, effect) -> None:
@@ -513,6 +521,20 @@ def keep_if_sowing(trace, in_tracers, recipe, effect) -> None:
   not its outputs are used, if it carries ``effect``."""
   if effect in recipe.effects:
     trace.effect_handles.append(pe.EffectHandle(list(in_tracers), recipe))
+
+
+def stage_unknown(trace, primitive, tracers, params) -> list[tp.Any]:
+  """Stages ``primitive`` (multiple results) in the partial evaluation
+  ``trace``'s unknown program, also when every operand is known or there is
+  none (``default_process_primitive`` would run it on the known side)."""
+  tracers = [
+      trace.instantiate_const(trace.to_jaxpr_tracer(t)) for t in tracers
+  ]
+  out_avals, effs = primitive.abstract_eval(
+      *[t.aval for t in tracers], **params
+  )
+  source = source_info_util.current()
+  return _staged(trace, tracers, out_avals, primitive, params, effs, source)
 
 
 def is_differentiating(trace) -> bool:

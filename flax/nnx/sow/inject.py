@@ -107,6 +107,24 @@ def _same_type(a, b) -> bool:
   return a.shape == b.shape and a.dtype == b.dtype
 
 
+def as_replacement_leaves(tree) -> tuple[list[tp.Any], tp.Any]:
+  """``tree``'s leaves converted as ``jnp.asarray`` converts them, and its
+  treedef: the one conversion a replacement gets before its structure,
+  shape and dtype are compared with the sown value's (so a float64 NumPy
+  array becomes float32 unless ``jax_enable_x64`` is set, and an int stays
+  an int)."""
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  return [jax.numpy.asarray(x) for x in leaves], treedef
+
+
+_TYPE_RULE = (
+    ' A replacement, converted as jnp.asarray converts it (a float64 NumPy'
+    ' array becomes float32 unless jax_enable_x64 is set), must have the'
+    ' structure (a list is not a tuple), shape and dtype of the value it'
+    ' replaces: nothing is broadcast, and nothing else is cast.'
+)
+
+
 class Replacements:
   """The replacements of one scope, and how many entries it has handed out.
 
@@ -227,8 +245,7 @@ class Replacements:
         raise self._count_error(name, start + n)
       treedefs = []
       for i in range(start, stop):
-        entry_leaves, treedef = jax.tree_util.tree_flatten(ent.entries[i])
-        entry_leaves = [jax.numpy.asarray(x) for x in entry_leaves]
+        entry_leaves, treedef = as_replacement_leaves(ent.entries[i])
         if length is not None:
           for x in entry_leaves:
             if not x.shape or x.shape[0] != length:
@@ -467,17 +484,16 @@ class Injector:
     if found is None:  # past the last entry, with strict=False
       return _jax.bind_equation(rebind, invals)
     new, label = found
-    new_leaves, new_treedef = jax.tree_util.tree_flatten(new)
-    new_leaves = [jax.numpy.asarray(x) for x in new_leaves]
+    new_leaves, new_treedef = as_replacement_leaves(new)
     if new_treedef != p['treedef'] or not all(
         _same_type(_jax.typeof(a), _jax.typeof(b))
         for a, b in zip(new_leaves, leaves)
     ):
+      got = jax.tree_util.tree_unflatten(new_treedef, new_leaves)
       raise ValueError(
           f'intervene: sow {name!r}{where(eqn)}: {label} is'
-          f' {_describe(new)}, but the sown value is {_describe(value)}.'
-          ' A replacement must have the structure, shape and dtype of the'
-          ' value it replaces (nothing is broadcast or cast).'
+          f' {_describe(got)}, but the sown value is {_describe(value)}.'
+          + _TYPE_RULE
       )
     # A weakly typed replacement (``jnp.full(3, 5.0)``) takes the sown
     # value's strong type, so what it flows into is typed as in ``f``.
@@ -590,9 +606,9 @@ def _normalize(values) -> dict[Name, tp.Any]:
       out[name] = Entries(tuple(v))
     else:
       raise TypeError(
-          f'intervene: values[{name!r}] must be a tuple with one replacement'
-          ' per sow (as capture returns it: wrap a single value as'
-          ' (value,)) or a callable fn(value) -> value, got'
+          f'intervene: values[{name!r}] must be a tuple (or a list) with one'
+          ' replacement per sow (as capture returns it: wrap a single value'
+          ' as (value,)) or a callable fn(value) -> value, got'
           f' {type(v).__name__}.'
       )
   return out
@@ -650,12 +666,16 @@ def intervene(
       ``lax.scan``/``fori_loop``/``lax.map``, entry ``i`` replacing iteration
       ``i``; values sown under ``jax.vmap`` with the mapped axis first), or
       a callable ``fn(value) -> value`` applied to every sown value of the
-      name (per example under ``vmap``, per iteration in loops). A
-      ``perturb`` name can be replaced (the primal value is). A path-keyed
-      ``nnx.State`` as ``nnx.capture`` returns is accepted too. Or a hook
-      ``hook(name, value) -> value``, called for every sow that ``names``
-      selects with the sow's name (so one hook can tell layer and position
-      from it), as a callable in ``values`` is.
+      name (per example under ``vmap``, per iteration in loops). A list
+      of entries is read as the tuple. Each replacement is converted as
+      ``jnp.asarray`` converts it (under the default ``jax_enable_x64=False``
+      a float64 NumPy array becomes float32), and must then have the sown
+      value's pytree structure (a list is not a tuple), shape and dtype
+      exactly. A ``perturb`` name can be replaced (the primal value is). A
+      path-keyed ``nnx.State`` as ``nnx.capture`` returns is accepted too.
+      Or a hook ``hook(name, value) -> value``, called for every sow that
+      ``names`` selects with the sow's name (so one hook can tell layer and
+      position from it), as a callable in ``values`` is.
     tags: ``None`` to replace sows of any tag, or an iterable of tags.
     names: with a hook only: ``None`` (every accepted sow that is not
       reduced), an iterable of names (exact match), or a predicate
@@ -672,10 +692,10 @@ def intervene(
     entry equals the cotangent ``perturb`` collects at that sow.
 
   Raises:
-    ValueError: a replacement whose structure, shape or dtype differs from
-      the sown value; a reduced name; with ``strict``, an unknown name or a
-      wrong number of entries; an array replacement for a sow inside
-      ``lax.while_loop`` (pass a callable).
+    ValueError: a replacement whose structure, shape or dtype (after that
+      conversion) differs from the sown value; a reduced name; with
+      ``strict``, an unknown name or a wrong number of entries; an array
+      replacement for a sow inside ``lax.while_loop`` (pass a callable).
     TypeError: ``values`` or one of its entries of the wrong type, or
       ``names`` with a mapping of values.
     NotImplementedError: a replaced sow inside a construct with no

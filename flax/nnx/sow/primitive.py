@@ -39,10 +39,21 @@ Name = tp.Union[str, tuple[tp.Union[str, int], ...]]
 
 
 class SowEffect(_jax.Effect):
-  """Marks a staged sow, so that an unused sow is not dead-code eliminated."""
+  """Marks a staged sow, so that an unused sow is not dead-code eliminated.
+
+  Every instance is equal to every other, so that ``jax.export`` can
+  serialize a program that still holds a staged sow (one a capture or an
+  intervene leaves in place) and build the effect again when it reads it.
+  """
 
   def __repr__(self):
     return 'Sow'
+
+  def __eq__(self, other):
+    return type(other) is SowEffect
+
+  def __hash__(self):
+    return hash(SowEffect)
 
 
 sow_effect = SowEffect()

@@ -233,10 +233,10 @@ def _sow_partial_eval(trace, *tracers, **params):
   ):
     # Stage the sow in the loop body (kept by its effect), reading the
     # operands as constants the hoisting passes in; consumers keep the
-    # known operands, so what they compute may still be hoisted.
-    trace.default_process_primitive(
-        sow_p, [trace.instantiate_const(t) for t in tracers], params
-    )
+    # known operands, so what they compute may still be hoisted. A marker
+    # without operands (``'order'``) stays in the loop too, where it marks
+    # the first sow of its name.
+    _jax.stage_unknown(trace, sow_p, tracers, params)
     return list(tracers[: len(tracers) - params['n_closure']])
   return trace.default_process_primitive(sow_p, tracers, params)
 

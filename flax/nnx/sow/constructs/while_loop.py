@@ -146,16 +146,7 @@ def _check_collectible(collector: Collector, cond, body) -> None:
   ]
   plain = [s for s in collecting if s.reduction is None]
   if plain:
-    raise ValueError(
-        f'sow {plain[0].name!r}{plain[0].where}: a plain sow inside'
-        ' `lax.while_loop` (or a'
-        ' `fori_loop` with traced bounds) cannot be collected, because the'
-        ' number of iterations is not known when the program is staged. Pass'
-        ' reduce_fn and init_fn to reduce the values into one accumulator'
-        ' (e.g. reduce_fn=lambda acc, v: acc + v, init_fn=lambda:'
-        ' jnp.zeros(shape)), or use `lax.scan` / a fori_loop with static'
-        ' bounds to stack them.'
-    )
+    raise _plain_in_while_error(plain[0])
   if cond.out_avals[0].shape and collecting:
     site = collecting[0]
     raise NotImplementedError(
@@ -165,6 +156,29 @@ def _check_collectible(collector: Collector, cond, body) -> None:
         ' example is done, so the reduction would also count finished'
         ' examples. Put the vmap around the capture (jax.vmap(capture(f))).'
     )
+
+
+def _plain_in_while_error(site) -> ValueError:
+  """The error for a plain name (a sown value or a ``perturb``'s cotangent)
+  in a ``while_loop`` body, whose entries cannot be stacked."""
+  if site.kind == 'cotangent':
+    return ValueError(
+        f'perturb {site.name!r}{site.where}: it is differentiated inside the'
+        ' body of `lax.while_loop` (or a `fori_loop` with traced bounds), so'
+        ' its cotangents cannot be collected: the number of iterations is not'
+        ' known when the program is staged, and a cotangent is not reduced.'
+        ' Use `lax.scan` or a `fori_loop` with static bounds for the loop,'
+        ' or call perturb outside the loop.'
+    )
+  return ValueError(
+      f'sow {site.name!r}{site.where}: a plain sow inside `lax.while_loop`'
+      ' (or a `fori_loop` with traced bounds) cannot be collected, because'
+      ' the number of iterations is not known when the program is staged.'
+      ' Pass reduce_fn and init_fn to reduce the values into one accumulator'
+      ' (e.g. reduce_fn=lambda acc, v: acc + v, init_fn=lambda:'
+      ' jnp.zeros(shape)), or use `lax.scan` / a fori_loop with static'
+      ' bounds to stack them.'
+  )
 
 
 def _while_intervene(injector, eqn, invals):

@@ -199,6 +199,36 @@ class PerturbInBatchedCondTest(parameterized.TestCase):
     _, collected = capture(jax.vmap(f))(X)
     self.assertEqual(dict(collected), {})
 
+  def test_constant_perturbed_in_one_branch(self):
+    # The differentiated input does not reach the perturb in false_fun: it
+    # gets no cotangent, an error as without vmap (not zeros for its rows).
+    def f(y):
+      return lax.cond(
+          y.sum() > 0,
+          lambda y: _p(y) * 2,
+          lambda y: _p(jnp.ones(2)) * 3 + y,
+          y,
+      )
+
+    with self.assertRaisesRegex(ValueError, r"'g'.*only 1 of them"):
+      capture(jax.grad(lambda z: jax.vmap(f)(z).sum()))(X)
+    with self.assertRaisesRegex(ValueError, r"'g'.*sows it 0"):
+      capture(jax.grad(lambda z: f(z).sum()))(X[0])
+
+  def test_branches_perturb_different_shapes(self):
+    def f(y):
+      return lax.cond(
+          y.sum() > 0,
+          lambda y: _p(y) * 2,
+          lambda y: _p(y.sum()) * 3 + y,
+          y,
+      )
+
+    with self.assertRaisesRegex(
+        ValueError, r"perturb 'g'.*float32\[2\].*float32\[\]"
+    ):
+      capture(jax.grad(lambda z: jax.vmap(f)(z).sum()))(X)
+
 
 def _add(a, v):
   return a + v

@@ -115,12 +115,15 @@ class BranchOrdinal(tp.NamedTuple):
   branch sows a cotangent, zero in the examples that took another branch.
   They share ``ordinal`` (the least of their own) and differ in ``branch``;
   a capture adds them into one entry, the taken branch's cotangent per
-  example. ``problem``: ``(error type, message)`` where the perturbs of the
+  example, and raises if only some of the ``members`` sent one (a branch
+  whose perturbed value the differentiated inputs do not reach, as without
+  vmap). ``problem``: ``(error type, message)`` where the perturbs of the
   branches do not line up, raised if a cotangent arrives.
   """
 
   ordinal: int
   branch: tp.Hashable
+  members: int | None = None  # how many branches perturb (None: unknown)
   problem: tuple[type, str] | None = None
 
 
@@ -215,9 +218,26 @@ def _in_call_order(items: list[tuple[EntrySpec, tp.Any]]) -> list[tp.Any]:
       ordinal, branches = ordinal.ordinal, {ordinal.branch}
     if last is not None and (ordinal is None or ordinal >= last):
       passes.append([])
-    passes[-1].append([ordinal, value, branches])
+    passes[-1].append([ordinal, value, branches, spec])
     last = ordinal
+  for item in (item for p in passes for item in p):
+    _check_every_branch(*item[2:])
   return [item[1] for p in passes for item in reversed(p)]
+
+
+def _check_every_branch(branches: set | None, spec: EntrySpec) -> None:
+  members = None if branches is None else spec.ordinal.members
+  if members is not None and len(branches) < members:
+    raise ValueError(
+        f'capture: perturb {spec.name!r} is in {members} branches of a'
+        ' `lax.cond`/`lax.switch` whose predicate `jax.vmap` batches, but'
+        f' only {len(branches)} of them give it a cotangent (the others'
+        ' perturb a value that the differentiated inputs do not reach, or'
+        ' one inside a custom derivative rule). The cotangent collected is'
+        " the taken branch's, so every branch must give one; perturb a value"
+        ' computed from the inputs in every branch, or put the vmap around'
+        ' the capture (jax.vmap(capture(f))).'
+    )
 
 
 def _added_to_branch(items: list[list[tp.Any]], spec: EntrySpec, value):

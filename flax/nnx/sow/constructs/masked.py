@@ -125,8 +125,8 @@ def masked_branches(branches, index_aval) -> tuple | None:
 
 
 def _perturb_groups(branches) -> dict:
-  """``{(name, k): (ordinal, problem)}`` for the ``k``-th perturb of each
-  name in the branches (in ``sow_sites`` order)."""
+  """``{(name, k): (ordinal, members, problem)}`` for the ``k``-th perturb
+  of each name in the branches (in ``sow_sites`` order)."""
   per_branch = []
   for closed in branches:
     by_name = collections.defaultdict(list)
@@ -144,7 +144,8 @@ def _perturb_groups(branches) -> dict:
           if counts[b] > k
       ]
       ordinal = min(_base(s.eqn.params['ordinal']) for _, s in members)
-      groups[name, k] = (ordinal, _mismatch(name, counts, members))
+      problem = _mismatch(name, counts, members)
+      groups[name, k] = (ordinal, len(members), problem)
   return groups
 
 
@@ -197,13 +198,15 @@ class _Ordinals:
 
   def next(self, params: dict, problem=None) -> BranchOrdinal:
     name = params['name']
-    ordinal, group_problem = self.groups[name, self.seen[name]]
+    ordinal, members, group_problem = self.groups[name, self.seen[name]]
     self.seen[name] += 1
     old, branch = params['ordinal'], self.branch
     if isinstance(old, BranchOrdinal):  # in a cond in a batched cond
-      branch = (old.branch, branch)
+      branch, members = (old.branch, branch), None
       problem = problem or old.problem
-    return BranchOrdinal(ordinal, branch, problem or group_problem)
+    return BranchOrdinal(
+        ordinal, branch, members=members, problem=problem or group_problem
+    )
 
 
 # ----------------------------------------------------------------------------

@@ -108,6 +108,26 @@ def _around(hook, run, tags, in_place):
   return lambda f, a, kw: hook(run, f, a, kw, tags=tags, in_place=in_place)
 
 
+class BranchOrdinal(tp.NamedTuple):
+  """The ``ordinal`` of a ``perturb`` in a branch of a ``cond`` on a batched
+  predicate (``constructs/masked.py``).
+
+  ``jax.vmap`` runs every branch, so the ``k``-th perturb of a name in each
+  branch sows a cotangent, zero in the examples that took another branch.
+  They share ``ordinal`` (the least of their own) and differ in ``branch``;
+  a capture adds them into one entry, the taken branch's cotangent per
+  example, and raises if only some of the ``members`` sent one (a branch
+  whose perturbed value the differentiated inputs do not reach, as without
+  vmap). ``problem``: ``(error type, message)`` where the perturbs of the
+  branches do not line up, raised if a cotangent arrives.
+  """
+
+  ordinal: int
+  branch: tp.Hashable
+  members: int | None = None  # how many branches perturb (None: unknown)
+  problem: tuple[type, str] | None = None
+
+
 class EntrySpec(tp.NamedTuple):
   """One plain entry among a rewritten jaxpr's extra outputs.
 
@@ -122,8 +142,9 @@ class EntrySpec(tp.NamedTuple):
   treedef: tp.Any
   size: int  # number of leaves
   kind: str = 'value'  # or 'cotangent' or 'perturb' (see primitive.py)
-  # For 'perturb' and 'cotangent': the perturb call's ordinal (api.py).
-  ordinal: int | None = None
+  # For 'perturb' and 'cotangent': the perturb call's ordinal (api.py), or
+  # a BranchOrdinal.
+  ordinal: int | BranchOrdinal | None = None
 
   @classmethod
   def of_sow(cls, p: dict[str, tp.Any], size: int) -> EntrySpec:
@@ -181,20 +202,73 @@ def _in_call_order(items: list[tuple[EntrySpec, tp.Any]]) -> list[tp.Any]:
   forward markers and the cotangents. A backward pass sows the cotangents of
   its perturbs last call first, so their ordinals decrease; a marker (a new
   forward pass) or an ordinal that does not decrease starts a new pass. Each
-  pass is reversed; the passes keep their order.
+  pass is reversed; the passes keep their order. The cotangents of the
+  branches of one :class:`BranchOrdinal` in one pass are added into one.
   """
-  passes: list[list[tp.Any]] = [[]]
+  passes: list[list[list[tp.Any]]] = [[]]  # [ordinal, value, branches]
   last = None
   for spec, value in items:
     if spec.kind == 'perturb':
       passes.append([])
       last = None
       continue
-    if last is not None and (spec.ordinal is None or spec.ordinal >= last):
+    ordinal, branches = spec.ordinal, None
+    if isinstance(ordinal, BranchOrdinal):
+      if _added_to_branch(passes[-1], spec, value):
+        continue
+      ordinal, branches = ordinal.ordinal, {ordinal.branch}
+    if last is not None and (ordinal is None or ordinal >= last):
       passes.append([])
-    passes[-1].append(value)
-    last = spec.ordinal
-  return [v for p in passes for v in reversed(p)]
+    passes[-1].append([ordinal, value, branches, spec])
+    last = ordinal
+  for item in (item for p in passes for item in p):
+    _check_every_branch(*item[2:])
+  return [item[1] for p in passes for item in reversed(p)]
+
+
+def _check_every_branch(branches: set | None, spec: EntrySpec) -> None:
+  members = None if branches is None else spec.ordinal.members
+  if members is not None and len(branches) < members:
+    raise ValueError(
+        f'capture: perturb {spec.name!r} is in {members} branches of a'
+        ' `lax.cond`/`lax.switch` whose predicate `jax.vmap` batches, but'
+        f' only {len(branches)} of them give it a cotangent (the others'
+        ' perturb a value that the differentiated inputs do not reach, or'
+        ' one inside a custom derivative rule). The cotangent collected is'
+        " the taken branch's, so every branch must give one; perturb a value"
+        ' computed from the inputs in every branch, or put the vmap around'
+        ' the capture (jax.vmap(capture(f))).'
+    )
+
+
+def _added_to_branch(items: list[list[tp.Any]], spec: EntrySpec, value):
+  """Adds ``value`` to the cotangent of another branch of its
+  :class:`BranchOrdinal` in ``items`` (one pass), if there is one."""
+  ordinal = spec.ordinal
+  for item in items:
+    if (
+        item[2] is not None
+        and item[0] == ordinal.ordinal
+        and ordinal.branch not in item[2]
+    ):
+      if _shapes(item[1]) != _shapes(value):
+        raise ValueError(
+            f'capture: perturb {spec.name!r} is in several branches of a'
+            ' `lax.cond`/`lax.switch` whose predicate `jax.vmap` batches,'
+            f' with cotangents of shapes {_shapes(item[1])} and'
+            f' {_shapes(value)}; the cotangent collected is the taken'
+            " branch's, so every branch must perturb values of the same"
+            ' shapes, in the same constructs (not a loop in one branch'
+            ' only).'
+        )
+      item[1] = jax.tree.map(jnp.add, item[1], value)
+      item[2].add(ordinal.branch)
+      return True
+  return False
+
+
+def _shapes(tree) -> list:
+  return [(x.shape, x.dtype) for x in jax.tree.leaves(tree)]
 
 
 class Collector:
@@ -270,6 +344,13 @@ class Collector:
   ):
     if spec.name in self.reduced:
       raise _reduction_error(spec.name, where_)
+    if (
+        spec.kind == 'cotangent'
+        and isinstance(spec.ordinal, BranchOrdinal)
+        and spec.ordinal.problem is not None
+    ):
+      error, message = spec.ordinal.problem
+      raise error(message)
     self.claim(spec.name, spec.kind, where_)
     self.names.setdefault(spec.name, None)
     self.plain_names.add(spec.name)

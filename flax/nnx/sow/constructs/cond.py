@@ -26,10 +26,12 @@ What a sow inside does:
 * **Intervene**: replacements enter as extra operands of every branch.
 * **Under ``vmap`` on a batched predicate**: JAX runs every branch and
   selects; plain sows are hoisted out and the selected branch's value is
-  sown again after the ``cond`` (``batched.py``); reduced sows fold with a
-  mask, so an untaken branch leaves the accumulator as it was. While
-  ``intervene`` stages, a kept half of each plain sow stays in every branch
-  for it to replace, and the hoisted value is the kept sow's result.
+  sown again after the ``cond`` (``batched.py``); reduced sows, at any
+  depth, fold where they are with a mask, so an untaken branch leaves the
+  accumulator as it was, and a perturb's cotangent is the taken branch's,
+  one entry (``masked.py``). While ``intervene`` stages, a kept half of each
+  plain sow stays in every branch for it to replace, and the hoisted value
+  is the kept sow's result.
 """
 
 from __future__ import annotations
@@ -38,12 +40,9 @@ import collections
 import dataclasses
 import typing as tp
 
-import jax
-import jax.numpy as jnp
 
 from flax.nnx.sow import _jax
 from flax.nnx.sow import _jax_patches
-from flax.nnx.sow import reductions
 from flax.nnx.sow.collect import Collector
 from flax.nnx.sow.collect import Layout
 from flax.nnx.sow.collect import cached
@@ -54,6 +53,9 @@ from flax.nnx.sow.constructs.batched import has_plain_sows
 from flax.nnx.sow.constructs.batched import kept_in_place
 from flax.nnx.sow.constructs.batched import mark_order
 from flax.nnx.sow.constructs.batched import sow_again
+from flax.nnx.sow.constructs.masked import branch_label
+from flax.nnx.sow.constructs.masked import masked_branches
+from flax.nnx.sow.constructs.masked import rules as masked_rules
 from flax.nnx.sow.control import NO_AXES
 from flax.nnx.sow.control import control_axes
 from flax.nnx.sow.control import control_rules
@@ -61,11 +63,7 @@ from flax.nnx.sow.control import passes_through
 from flax.nnx.sow.control import union
 from flax.nnx.sow.inject import intervene_rules
 from flax.nnx.sow.primitive import MARKER_KINDS
-from flax.nnx.sow.primitive import Reduction
-from flax.nnx.sow.primitive import bind_sow
 from flax.nnx.sow.primitive import intervening
-from flax.nnx.sow.primitive import mapped_axis_first
-from flax.nnx.sow.primitive import sow_p
 from flax.nnx.sow.primitive import staging_captures
 from flax.nnx.sow.reductions import strong
 from flax.nnx.sow.sites import PLAIN_SOWS
@@ -73,7 +71,6 @@ from flax.nnx.sow.sites import accepts
 from flax.nnx.sow.sites import construct_names
 from flax.nnx.sow.sites import site_annotations
 from flax.nnx.sow.sites import init_order_sites
-from flax.nnx.sow.sites import renamed
 from flax.nnx.sow.sites import sow_sites
 
 # ----------------------------------------------------------------------------
@@ -99,16 +96,9 @@ def _branch_mismatch(name, branch, what, sources):
     if sites:
       where_ = sites[0].where
       break
-  if len(sources) == 2:
-    # lax.cond(pred, true_fun, false_fun) is a switch on int(pred).
-    label = {
-        0: 'branch 0 (false_fun of lax.cond)',
-        1: 'branch 1 (true_fun of lax.cond)',
-    }
-    what = what.replace('branch 0', label[0])
-    branch = label[branch]
-  else:
-    branch = f'branch {branch}'
+  n = len(sources)
+  what = what.replace('branch 0', branch_label(0, n))
+  branch = branch_label(branch, n)
   return ValueError(
       f'sow {name!r}{where_}: inside `lax.cond`/`lax.switch`, {branch}'
       f' {what}.'
@@ -354,64 +344,83 @@ def _cond_batcher(jax_rule, axis_data, args, dims, *, branches, **params):
   ):
     # Nothing a capture could collect: JAX's rule, unchanged.
     return jax_rule(axis_data, args, dims, branches=branches, **params)
-  # A batched predicate: vmap runs every branch for every example and
-  # selects. Reduced sows are taken out first, each with a mask of the
-  # examples whose branch sowed it; then plain sows, which every branch must
-  # sow alike (the value of the branch taken is selected).
+  return _batched_predicate(jax_rule, axis_data, args, dims, branches, params)
+
+
+def _batched_predicate(jax_rule, axis_data, args, dims, branches, params):
+  """A batched predicate: vmap runs every branch for every example and
+  selects.
+
+  Perturbs and reduced sows are masked where they are (``masked.py``): a
+  reduced sow folds only for the examples that took its branch; then plain
+  sows, which every branch must sow alike, are taken out (the value of the
+  branch taken is selected) and sown again after the ``cond``.
+  """
   n_out = len(branches[0].out_avals)
   original = branches
-  hoisted = _hoist_reduced(branches)
-  if hoisted is not None:
-    branches, reduced_sites = hoisted
-  else:
-    reduced_sites = []
-  n_kept = len(branches[0].out_avals)  # outputs, then reduced values
-  plain = any(has_plain_sows(b) for b in branches)
-  layout = None
-  if plain:
-    # Under intervene, each sow stays in its branch (a kept half, which it
-    # replaces in every branch) and its result is hoisted (``batched.py``).
-    split = (
-        [kept_in_place(b) for b in branches] if key is not None else branches
-    )
-    try:
-      branches, layout = align_branches(
-          [rewrite_jaxpr(b, PLAIN_SOWS, ()) for b in split],
-          n_kept,
-          branches,
-      )
-    except ValueError:
-      # Mismatched branches: outside a capture the sows stay identities in
-      # every branch. Under a capture that collects them, vmap would run
-      # every branch and collect a value for every example, also those that
-      # took another branch, so it is the error it is without vmap.
-      if any(
-          accepts(k, s.tag, s.reduction, s.kind, s.name)
-          for k in staging_captures()
-          for b in branches
-          for s in sow_sites(b.jaxpr)
-          if s.reduction is None and s.kind not in MARKER_KINDS
-      ):
-        raise
-      layout = None
-  if layout is not None or reduced_sites:
-    # The hoisted sows come after the cond; markers before it keep the
-    # names in their order of first sow (branch by branch, as without vmap).
-    mark_order(_with_init_reductions(original))
+  index_aval = _jax.typeof(args[0]).update(shape=(), sharding=None)
+  masked = masked_branches(branches, index_aval)
+  if masked is not None:
+    # The index enters every branch as a trailing operand.
+    branches, args, dims = masked, [*args, args[0]], [*dims, dims[0]]
+  branches, layout = _plain_hoisted(branches, n_out)
+  if layout is None and masked is None:
+    return jax_rule(axis_data, args, dims, branches=branches, **params)
+  # The hoisted sows come after the cond; markers before it keep the names
+  # in their order of first sow (branch by branch, as without vmap) and
+  # give a reduced name the init_fn of its first site there.
+  mark_order(_with_init_reductions(original))
+  if (
+      masked is not None
+      and len(branches) == 2
+      and 'branches_platforms' not in params
+  ):
+    # JAX runs the branches in order: true_fun, written first, runs (and
+    # folds) first, as without vmap.
+    branches, args = branches[::-1], [1 - args[0], *args[1:]]
   outs, out_dims = jax_rule(axis_data, args, dims, branches=branches, **params)
   if layout is not None:
-    sow_again(layout, outs[n_kept:], out_dims[n_kept:], axis_data.size)
-  if reduced_sites:
-    index = mapped_axis_first(args[0], dims[0], axis_data.size)
-    _sow_reduced_again(
-        len(original),
-        reduced_sites,
-        index,
-        outs[n_out:n_kept],
-        out_dims[n_out:n_kept],
-        axis_data.size,
-    )
+    sow_again(layout, outs[n_out:], out_dims[n_out:], axis_data.size)
   return outs[:n_out], out_dims[:n_out]
+
+
+def _plain_hoisted(branches, n_kept: int):
+  """``(branches, layout)``: the branches returning their plain sows' values
+  after their ``n_kept`` outputs, and the layout of those; ``layout`` is
+  ``None`` (the branches unchanged) where they sow no plain name, or sow
+  them differently and no capture staging collects them.
+
+  Under intervene, each sow stays in its branch (a kept half, which it
+  replaces in every branch) and its result is hoisted (``batched.py``).
+  """
+  if not any(has_plain_sows(b) for b in branches):
+    return branches, None
+  split = branches
+  if intervening() is not None:
+    split = [kept_in_place(b) for b in branches]
+  try:
+    return align_branches(
+        [rewrite_jaxpr(b, PLAIN_SOWS, ()) for b in split], n_kept, branches
+    )
+  except ValueError:
+    # Mismatched branches: outside a capture the sows stay identities in
+    # every branch. Under a capture that collects them, vmap would run
+    # every branch and collect a value for every example, also those that
+    # took another branch, so it is the error it is without vmap.
+    if _collects_plain(branches):
+      raise
+    return branches, None
+
+
+def _collects_plain(branches) -> bool:
+  """Whether a capture staging now collects a plain sow of ``branches``."""
+  return any(
+      accepts(k, s.tag, s.reduction, s.kind, s.name)
+      for k in staging_captures()
+      for b in branches
+      for s in sow_sites(b.jaxpr)
+      if s.reduction is None and s.kind not in MARKER_KINDS
+  )
 
 
 def _check_no_array_replacement(key, branches) -> None:
@@ -432,106 +441,7 @@ def _check_no_array_replacement(key, branches) -> None:
         )
 
 
-# Reduced sows in the branches of a cond on a batched predicate.
-
-
-class _ReducedSite(tp.NamedTuple):
-  branch: int
-  params: dict
-  avals: tuple[tp.Any, ...]
-
-
-def _hoist_reduced(branches):
-  """Branches without their top-level reduced sows, which they return.
-
-  Every branch returns ``[*outputs, *values]`` where ``values`` has one slot
-  per reduced sow of every branch: its own sows' operands, zeros elsewhere.
-  Returns ``None`` if no branch holds a staged reduced sow.
-
-  Raises:
-    NotImplementedError: for a staged reduced sow nested in a construct
-      inside a branch.
-  """
-  edits = [_reduced_sows_out(closed) for closed in branches]
-  if not any(found for _, found in edits):
-    return None
-  sites = [
-      _ReducedSite(b, p, avals)
-      for b, (_, found) in enumerate(edits)
-      for p, avals in found
-  ]
-  n_out = len(branches[0].out_avals)
-  new = []
-  for b, (edited, _) in enumerate(edits):
-
-    def fn(*args, edited=edited, b=b):
-      outs = _jax.eval_closed(edited, args)
-      own = iter(outs[n_out:])
-      values = []
-      for site in sites:
-        for aval in site.avals:
-          values.append(
-              next(own)
-              if site.branch == b
-              else jnp.zeros(aval.shape, aval.dtype)
-          )
-      return [*outs[:n_out], *values]
-
-    new.append(
-        _jax.trace_to_closed_jaxpr(
-            fn, _jax.binder_types(branches[b]), 'cond_reduced'
-        )
-    )
-  return tuple(new), sites
-
-
-def _reduced_sows_out(closed: _jax.ClosedJaxpr):
-  """``(branch, found)``: ``closed`` without its top-level reduced sows,
-  returning their operands after its outputs, and ``(params, operand
-  avals)`` of each, in program order."""
-  jaxpr = closed.jaxpr
-  subst, eqns, found, operands_out = {}, [], [], []
-  for eqn in jaxpr.eqns:
-    p = eqn.params
-    if (
-        eqn.primitive is sow_p
-        and p['reduction'] is not None
-        and p['effect']
-        and not p['remat_copy']
-        and p['kind'] not in MARKER_KINDS
-    ):
-      operands = renamed(eqn.invars, subst)
-      subst.update(zip(eqn.outvars, operands))
-      found.append((p, tuple(v.aval for v in eqn.invars)))
-      operands_out.extend(operands)
-      continue
-    _check_no_nested_reduced(p)
-    if subst:
-      eqn = eqn.replace(invars=renamed(eqn.invars, subst))
-    eqns.append(eqn)
-  outvars = [*renamed(jaxpr.outvars, subst), *operands_out]
-  edited = _jax.edit_jaxpr(jaxpr, eqns, outvars)
-  return _jax.ClosedJaxpr(edited, closed.consts), found
-
-
-def _check_no_nested_reduced(params: dict) -> None:
-  """Raises for a staged reduced sow in the sub-jaxprs of an equation."""
-  nested = [
-      s
-      for j in _jax.jaxprs_in_params(params)
-      for s in sow_sites(j)
-      if s.reduction is not None
-      and s.eqn.params['effect']
-      and s.kind not in MARKER_KINDS
-  ]
-  if nested:
-    raise NotImplementedError(
-        f'sow {nested[0].name!r}{nested[0].where}: a reduced sow nested'
-        ' in a construct inside a `lax.cond`/`lax.switch` branch whose'
-        ' predicate `jax.vmap` batches cannot be collected per example.'
-        ' Sow it directly in the branch, or put the vmap around the'
-        ' capture (jax.vmap(capture(f))).'
-    )
+# The init_fn of a reduced name sown in the branches.
 
 
 def _with_init_reductions(branches) -> list:
@@ -560,65 +470,12 @@ def _in_init_order(seq):
   return seq[::-1] if len(seq) == 2 else seq
 
 
-def _sow_reduced_again(n_branches, sites, index, values, dims, axis_size):
-  """Sows each hoisted reduced value with the mask of its branch's examples.
-
-  ``reduce_fn`` is applied for an example only where the mask is true, so
-  each example folds the sows of the branch it took, as without vmap. The
-  branches' sites are sown in the order in which they give a name its
-  ``init_fn`` (``true_fun``'s first).
-  """
-  pos, hoisted = 0, []
-  for site in sites:
-    n = len(site.avals)
-    hoisted.append((site, values[pos : pos + n], dims[pos : pos + n]))
-    pos += n
-  rank = {b: i for i, b in enumerate(_in_init_order(range(n_branches)))}
-  hoisted.sort(key=lambda h: rank[h[0].branch])  # stable within a branch
-  for site, site_values, site_dims in hoisted:
-    leaves = [
-        mapped_axis_first(x, d, axis_size)
-        for x, d in zip(site_values, site_dims)
-    ]
-    p = site.params
-    batch_dims = p['batch_dims'] + 1
-    mask = index == site.branch
-    if leaves:
-      shape = leaves[0].shape[:batch_dims]
-      mask = jnp.broadcast_to(
-          mask.reshape((axis_size,) + (1,) * (len(shape) - 1)), shape
-      )
-    n_value = len(leaves) - p['n_closure']
-    value = jax.tree_util.tree_unflatten(p['treedef'], leaves[:n_value])
-    packed, treedef = jax.tree_util.tree_flatten((value, mask))
-    original = p['reduction']
-    snapshot = original.snapshot
-    if snapshot is not None:
-      snapshot = reductions.masked(snapshot, n_value)
-    bind_sow(
-        packed,
-        name=p['name'],
-        tag=p['tag'],
-        treedef=treedef,
-        reduction=Reduction(
-            _masked(original.reduce_fn),
-            original.init_fn,
-            snapshot,
-            original.fixed_type,
-        ),
-        kind=p['kind'],
-        batch_dims=batch_dims,
-        closure=leaves[n_value:],
-    )
+def _cond_masked(eqn, invals, masked):
+  branches = tuple(masked(b) for b in eqn.params['branches'])
+  outs, _ = _bind_cond(eqn, invals, branches)
+  return outs
 
 
-def _masked(reduce_fn):
-  def fold(acc, value_and_mask):
-    value, taken = value_and_mask
-    new = reduce_fn(acc, value)
-    return jax.tree.map(lambda n, a: jnp.where(taken, n, a), new, acc)
-
-  return fold
-
+masked_rules[_jax.cond_p] = _cond_masked
 
 _jax_patches.register('cond_batching', _cond_batcher)

@@ -71,7 +71,7 @@ from flax.nnx.sow.sites import sow_sites
 # scan
 
 
-def _bind_scan(eqn: _jax.JaxprEqn, invals, body, *, carry=(), xs=()):
+def bind_scan(eqn: _jax.JaxprEqn, invals, body, *, carry=(), xs=()):
   """``eqn``'s ``scan`` bound again with ``body``, extra carries and xs.
 
   The binders both rules add, as checkify threads its error value: a
@@ -116,7 +116,7 @@ def _bind_scan(eqn: _jax.JaxprEqn, invals, body, *, carry=(), xs=()):
 def _scan_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
   # [acc, consts, carry, xs] -> [carry, ys, entries, acc]
   rewritten, layout, acc_in = collector.prepare(eqn.params['jaxpr'])
-  outs, acc_out, entries = _bind_scan(eqn, invals, rewritten, carry=acc_in)
+  outs, acc_out, entries = bind_scan(eqn, invals, rewritten, carry=acc_in)
   collector.absorb(layout, [*entries, *acc_out])
   return outs
 
@@ -125,7 +125,7 @@ def _scan_intervene(injector, eqn, invals):
   # [consts, carry, xs, replacement rows] -> [carry, ys]
   p = eqn.params
   new, reps = one_body(injector, p['jaxpr'], length=p['length'])
-  outs, _, _ = _bind_scan(eqn, invals, new, xs=reps)
+  outs, _, _ = bind_scan(eqn, invals, new, xs=reps)
   return outs
 
 

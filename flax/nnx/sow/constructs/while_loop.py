@@ -63,7 +63,7 @@ from flax.nnx.sow.sites import without_staged_sows
 # while
 
 
-def _bind_while(eqn: _jax.JaxprEqn, invals, cond, body, *, carry=()):
+def bind_while(eqn: _jax.JaxprEqn, invals, cond, body, *, carry=()):
   """``eqn``'s ``while`` bound again with ``cond``, ``body`` and extra
   carries.
 
@@ -124,7 +124,7 @@ def _while_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
   # [acc, bconsts, carry] -> [carry, acc]
   rewritten, layout = collector.rewrite(body, specs)
   acc_in = collector.reduced.leaves(specs)
-  outs, acc_out = _bind_while(eqn, invals, cond, rewritten, carry=acc_in)
+  outs, acc_out = bind_while(eqn, invals, cond, rewritten, carry=acc_in)
   collector.absorb(layout, acc_out)
   return outs
 
@@ -196,7 +196,7 @@ def _while_intervene(injector, eqn, invals):
       )
   cond = injector.rewrite(p['cond_jaxpr'], (), ())
   body = injector.rewrite(p['body_jaxpr'], (), ())
-  outs, _ = _bind_while(eqn, invals, cond, body)
+  outs, _ = bind_while(eqn, invals, cond, body)
   return outs
 
 

@@ -111,6 +111,57 @@ def _is_array_tree(value) -> bool:
   )
 
 
+def _no_arrays(value) -> bool:
+  """Whether no leaf of ``value`` is an array (Python numbers, strings...)."""
+  arrays = (jax.Array, np.ndarray, np.generic, jax.core.Tracer)
+  return not any(isinstance(x, arrays) for x in jax.tree.leaves(value))
+
+
+_NOTHING = object()  # nothing held in Python for a name
+_IN_PYTHON = object()  # the sow was folded in Python
+
+
+def _fold_in_python(scope, key, value, reduce_fn, init_fn):
+  """Folds a sow of Python values (no array leaf) in Python, as Flax does.
+
+  At the top level of an ``nnx.capture``'s function, where Flax folds in
+  Python, a name sown only with values that hold no array is kept in
+  Python (``scope.python``): ``0.1`` stays a ``float``, ``2**40`` an
+  ``int``. Once a sow of the name needs the core (an array, or a sow inside
+  a jit, loop or other transform) the name goes to the core for the rest of
+  the call, starting from what was held.
+
+  Returns:
+    ``_IN_PYTHON`` when the value was folded in Python; otherwise what was
+    held for the name before (``_NOTHING`` if nothing), for the core sow to
+    start from.
+  """
+  held = scope.python.pop(key, _NOTHING)
+  if key not in scope.to_core and scope.at_top() and _no_arrays(value):
+    start = init_fn() if held is _NOTHING else held
+    new = reduce_fn(start, value)
+    if _no_arrays(new):
+      scope.python[key] = new
+      return _IN_PYTHON
+    if held is _NOTHING:
+      held = start
+  scope.to_core.add(key)
+  return held
+
+
+def _to_core(where: str, emit: tp.Callable[[], tp.Any]) -> None:
+  """``emit()``, naming the sow when a Python value is out of range."""
+  try:
+    emit()
+  except OverflowError as e:
+    raise OverflowError(
+        f'{where}: {e}. Inside a jit, loop or other transform (or next to an'
+        ' array sown under the same name) a sown Python number becomes an'
+        ' array (int32/float32, as jnp.asarray makes it); sow it as an array'
+        ' of a wide enough dtype, or outside the transform.'
+    ) from None
+
+
 # --------------------------------------------------------------------------
 # Module.sow / Module.perturb
 # --------------------------------------------------------------------------
@@ -294,19 +345,38 @@ def module_sow(
   scope, path, accepted = located
   full = (*path, name)
   state_lib.name_to_path(full)
+  where = _where(self, variable_type, name, 'sow')
   init = scope.init.get(full)
-  if init is not None and init[0] is variable_type:
+  has_init = init is not None and init[0] is variable_type
+  held = _NOTHING
+  if has_init:
     # init= holds this sow's starting value (Flax sets the attribute to it
     # before the call): the accumulator starts from it (a tuple of values
     # for the default reduce_fn, which then appends to it).
-    init_value = init[1]
-    init_fn = lambda: init_value  # pylint: disable=unnecessary-lambda
-  elif reduce_fn is _TUPLE_REDUCE:
-    _core_sow(value, name=full, tag=variable_type)
+    held = init[1]
+  elif accepted and scope.kind == 'nnx':
+    held = _fold_in_python(
+        scope, (full, variable_type), value, reduce_fn, init_fn
+    )
+    if held is _IN_PYTHON:
+      return True
+  if reduce_fn is _TUPLE_REDUCE and not has_init:
+    entries = () if held is _NOTHING else held  # those held in Python
+    for entry in (*entries, value):
+      _to_core(
+          where, lambda v=entry: _core_sow(v, name=full, tag=variable_type)
+      )
     return accepted
+  if held is not _NOTHING:
+    init_fn = lambda: held  # pylint: disable=unnecessary-lambda
   # A reduced sow, folded as Flax folds it: where no loop or branch carries
   # the accumulator, reduce_fn may change its type (e.g. a tuple that grows).
-  sow_site(value, full, variable_type, reduce_fn, init_fn, fixed_type=False)
+  _to_core(
+      where,
+      lambda: sow_site(
+          value, full, variable_type, reduce_fn, init_fn, fixed_type=False
+      ),
+  )
   return accepted
 
 
@@ -374,10 +444,16 @@ def _method_output_wrapper(method_name: str, method):
           f' {(*e.path, method_name)!r}, but {e.why}; give the modules'
           ' distinct names.'
       ) from None
-    if found is not None and _is_array_tree(result):
+    if found is not None:
       scope, path = found
       full = (*path, method_name)
-      _core_sow(result, name=full, tag=scope.method_outputs)
+      key = (full, scope.method_outputs)
+      # Kept in Python where Flax keeps it (a str, a Python number); an
+      # output with no array leaf inside a transform is not recorded.
+      held = _fold_in_python(scope, key, result, _TUPLE_REDUCE, _TUPLE_INIT)
+      if held is not _IN_PYTHON and _is_array_tree(result):
+        for entry in (*(() if held is _NOTHING else held), result):
+          _core_sow(entry, name=full, tag=scope.method_outputs)
     return result
 
   wrapper._nnx_sow_method_output = True  # pylint: disable=protected-access
@@ -440,13 +516,14 @@ def _sum_entries(entries: tuple):
     return entries
 
 
-def _build_state(collected, variable_type):
+def _build_state(collected, variable_type, held: dict):
   """The State of one Variable type, from its own capture's ``collected``.
 
   A plain ``Module.sow`` gives its tuple, a reduced one its accumulator, a
   ``Module.perturb`` the sum of its cotangents (``collected.cotangents``), or,
   when nothing differentiated it, the zeros (or ``init=`` value) sown under
-  :func:`_zeros_name`.
+  :func:`_zeros_name`. ``held`` (:func:`_held`) adds the entries the capture
+  did not return.
   """
   flat: dict[Path, tp.Any] = {}
   for name, value in collected.items():
@@ -458,7 +535,33 @@ def _build_state(collected, variable_type):
       flat[name] = _sum_entries(value)
     else:
       flat[name] = value
+  for name, value in held.items():
+    flat.setdefault(name, value)
   return state_lib.collected_to_state(flat, variable_type)
+
+
+def _held(scope, variable_type, init_entries, module) -> dict[Path, tp.Any]:
+  """The entries of ``variable_type``'s State that the core did not return.
+
+  The sows folded in Python (:func:`_fold_in_python`), and, as Flax starts
+  every module's captures from ``init=``, the ``init=`` entries of that type
+  for a module of ``module`` that the call did not sow (e.g. a perturbation
+  that runs in training only, in an evaluation call), as they were given.
+  """
+  out = {
+      full: value
+      for (full, vt), value in scope.python.items()
+      if vt is variable_type
+  }
+  inits = {
+      path: value
+      for path, (vt, value) in init_entries.items()
+      if vt is variable_type and path not in out
+  }
+  if inits:
+    modules = {path for path, _ in _module_lib.iter_modules(module)}
+    out.update((p, v) for p, v in inits.items() if p[:-1] in modules)
+  return out
 
 
 def capture(
@@ -539,6 +642,7 @@ def capture(
 
     def staged(m, values, *a, **k):
       scope.init = {key: (vt, v) for (key, vt), v in zip(init_keys, values)}
+      scope.start_call()
       return invoke(m, *a, **k)
 
     with _methods_sowing_outputs(module, method_outputs):
@@ -555,9 +659,20 @@ def capture(
     if not var_types:
       return result
     # One State per requested type, by exact type (a subclass of a requested
-    # type is returned only when it is requested itself).
-    by_type = dict(zip(types, collected))
-    return (result, *(_build_state(by_type[vt], vt) for vt in var_types))
+    # type is returned only when it is requested itself). A type requested
+    # again gets an empty State, as Flax's split_state gives it.
+    states = [
+        _build_state(c, vt, _held(scope, vt, init_entries, module))
+        for c, vt in zip(collected, types)
+    ]
+    by_type = dict(zip(types, states))
+    return (
+        result,
+        *(
+            by_type.pop(vt) if vt in by_type else nnx.State({})
+            for vt in var_types
+        ),
+    )
 
   if not isinstance(fn, nnx.Module):
     wrapper = functools.wraps(fn)(wrapper)

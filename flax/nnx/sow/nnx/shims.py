@@ -30,7 +30,7 @@ graph nodes among the arguments are handled as ``nnx.jit`` does
 one call to the next: the State is built from what the capture returns.
 ``nnx.capture(fn, T1, T2, ...)`` nests one functional capture per Variable
 type (``tags`` that type), so a name sown as ``Intermediate`` and perturbed
-as ``Perturbation`` lands in two captures and two States, as in Flax.
+as ``Perturbation`` lands in two captures and two States (Flax keeps one).
 
 :func:`install` puts every Flax replacement of the NNX layer in place (the
 inventory of ``flax_hooks.py``: these shims and the split/merge hooks of

@@ -349,21 +349,74 @@ class FlaxParityTest(parameterized.TestCase):
     self.assertEqual(entries["'total'"], _py(1e8 + 1.0))
 
   def test_python_number_next_to_an_array(self):
-    # Known differences: under a name also sown with an array, a Python
-    # number becomes an array (Flax keeps 0.5 a float there).
+    # Flax keeps the Python values next to the array; known differences:
+    # after the name is sown with an array, a Python number is an array.
 
     class M(nnx.Module):
 
       def __call__(self, x):
         self.sow(nnx.Intermediate, 'mixed', 0.5)
         self.sow(nnx.Intermediate, 'mixed', x)
+        self.sow(nnx.Intermediate, 'mixed', 2**40)
+        self.sow(nnx.Intermediate, 'mixed', 0.25)
         return x
 
-    _, state = nnx.capture(M(), nnx.Intermediate)(jnp.ones(2))
-    first, second = state['mixed'].get_value()
-    self.assertEqual(first.dtype, jnp.float32)
-    self.assertEqual(float(first), 0.5)
+    with self.assertRaisesRegex(
+        OverflowError, r"Module\.sow\(Intermediate, 'mixed'\) in M"
+    ):
+      nnx.capture(M(), nnx.Intermediate)(jnp.ones(2))
+
+    class N(nnx.Module):
+
+      def __call__(self, x):
+        self.sow(nnx.Intermediate, 'mixed', 0.5)
+        self.sow(nnx.Intermediate, 'mixed', x)
+        self.sow(nnx.Intermediate, 'mixed', 0.25)
+        return x
+
+    _, state = nnx.capture(N(), nnx.Intermediate)(jnp.ones(2))
+    first, second, third = state['mixed'].get_value()
+    self.assertEqual((type(first), first), (float, 0.5))
     np.testing.assert_array_equal(second, [1.0, 1.0])
+    self.assertEqual(third.dtype, jnp.float32)
+    self.assertEqual(float(third), 0.25)
+
+  def test_python_value_then_the_same_name_in_a_cached_jit(self):
+    # Each call starts the jit body's fold from this call's Python value
+    # (n + 1, as Flax gives), also when nnx.jit's trace of an earlier call
+    # could serve it.
+
+    class Counter(nnx.Module):
+
+      def __call__(self, x, n):
+        self.sow(nnx.Intermediate, 'count', n, init_fn=lambda: 0,
+                 reduce_fn=lambda a, b: a + b)
+        self.sow(nnx.Intermediate, 'seen', n)
+        return x
+
+    @nnx.jit
+    def inner(m, x):
+      m.sow(nnx.Intermediate, 'count', 1, init_fn=lambda: 0,
+            reduce_fn=lambda a, b: a + b)
+      m.sow(nnx.Intermediate, 'seen', x)
+      return x
+
+    class Model(nnx.Module):
+
+      def __init__(self):
+        self.c = Counter()
+
+      def __call__(self, x, n):
+        self.c(x, n)
+        return inner(self.c, x)
+
+    model = Model()
+    for n in (10, 20, 30):
+      _, state = nnx.capture(model, nnx.Intermediate)(jnp.ones(()), n)
+      self.assertEqual(int(state['c']['count'].get_value()), n + 1)
+      first, second = state['c']['seen'].get_value()
+      self.assertEqual((type(first), first), (int, n))
+      self.assertEqual(float(second), 1.0)
 
   def test_method_outputs_without_arrays(self):
     _, state = _results(True)['method_outputs_python']['tuple']

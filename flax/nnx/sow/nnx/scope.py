@@ -341,11 +341,20 @@ class Scope:
     self.top_trace: tp.Any = None
     self.python: dict[tuple[Path, type], tp.Any] = {}
     self.to_core: set[tuple[Path, type]] = set()
+    self.prefix: dict[tuple[Path, type], tuple] = {}
 
   def start_call(self) -> None:
     """Marks the current JAX trace as the captured function's top level."""
     self.top_trace = _tracers.current_jax_trace()
-    self.python, self.to_core = {}, set()
+    self.python, self.to_core, self.prefix = {}, set(), {}
+
+  def forget_traces(self) -> None:
+    """Keeps the trace being made now (e.g. a ``jax.jit`` body, which holds
+    a value this call folded in Python as a constant) from serving a later
+    call: the later calls' jit cache keys differ."""
+    del self
+    with _GENERATION_LOCK:
+      _HELD_GENERATION[0] += 1
 
   def at_top(self) -> bool:
     """Whether the code running now is the captured function's top level
@@ -413,7 +422,13 @@ class Scope:
           self.structure.append((path, type(obj)))
 
   def _cheap_fingerprint(self):
-    return (self.kind, self.types, self.method_outputs, self.init_keys)
+    return (
+        self.kind,
+        self.types,
+        self.method_outputs,
+        self.init_keys,
+        _HELD_GENERATION[0],
+    )
 
   def fingerprint(self):
     """This scope's part of the jit cache key (``trace_key``): an
@@ -528,6 +543,9 @@ class Scope:
 # under the current generation's key (a counter, like perturb's ordinals).
 _UNNAMED_GENERATION = [0]
 _GENERATION_LOCK = threading.Lock()
+# Part of every scope's key (Scope.forget_traces): a new value each time a
+# trace made inside a capture holds a value folded in Python at its top.
+_HELD_GENERATION = [0]
 
 
 def _unnamed_key(cheap) -> tuple:

@@ -361,13 +361,13 @@ def module_sow(
     if held is _IN_PYTHON:
       return True
   if reduce_fn is _TUPLE_REDUCE and not has_init:
-    entries = () if held is _NOTHING else held  # those held in Python
-    for entry in (*entries, value):
-      _to_core(
-          where, lambda v=entry: _core_sow(v, name=full, tag=variable_type)
-      )
+    if held is not _NOTHING:  # the entries before, held in Python
+      scope.prefix[(full, variable_type)] = held
+    _to_core(where, lambda: _core_sow(value, name=full, tag=variable_type))
     return accepted
   if held is not _NOTHING:
+    if not has_init and not scope.at_top():
+      scope.forget_traces()  # this trace holds ``held`` as a constant
     init_fn = lambda: held  # pylint: disable=unnecessary-lambda
   # A reduced sow, folded as Flax folds it: where no loop or branch carries
   # the accumulator, reduce_fn may change its type (e.g. a tuple that grows).
@@ -452,8 +452,9 @@ def _method_output_wrapper(method_name: str, method):
       # output with no array leaf inside a transform is not recorded.
       held = _fold_in_python(scope, key, result, _TUPLE_REDUCE, _TUPLE_INIT)
       if held is not _IN_PYTHON and _is_array_tree(result):
-        for entry in (*(() if held is _NOTHING else held), result):
-          _core_sow(entry, name=full, tag=scope.method_outputs)
+        if held is not _NOTHING:
+          scope.prefix[key] = held
+        _core_sow(result, name=full, tag=scope.method_outputs)
     return result
 
   wrapper._nnx_sow_method_output = True  # pylint: disable=protected-access
@@ -536,32 +537,46 @@ def _build_state(collected, variable_type, held: dict):
     else:
       flat[name] = value
   for name, value in held.items():
-    flat.setdefault(name, value)
+    if not isinstance(value, _Prefix):
+      flat.setdefault(name, value)  # an init= entry not sown this call
+    elif name not in flat:
+      flat[name] = value.value
+    else:  # a plain name: its entries held in Python come first
+      flat[name] = (*value.value, *flat[name])
   return state_lib.collected_to_state(flat, variable_type)
 
 
 def _held(scope, variable_type, init_entries, module) -> dict[Path, tp.Any]:
   """The entries of ``variable_type``'s State that the core did not return.
 
-  The sows folded in Python (:func:`_fold_in_python`), and, as Flax starts
+  The sows folded in Python (:func:`_fold_in_python`; for a name the core
+  got later, the entries before, which come first), and, as Flax starts
   every module's captures from ``init=``, the ``init=`` entries of that type
   for a module of ``module`` that the call did not sow (e.g. a perturbation
   that runs in training only, in an evaluation call), as they were given.
   """
-  out = {
-      full: value
-      for (full, vt), value in scope.python.items()
-      if vt is variable_type
-  }
+  out = {}
   inits = {
       path: value
       for path, (vt, value) in init_entries.items()
-      if vt is variable_type and path not in out
+      if vt is variable_type
   }
   if inits:
     modules = {path for path, _ in _module_lib.iter_modules(module)}
     out.update((p, v) for p, v in inits.items() if p[:-1] in modules)
+  out.update(
+      (full, _Prefix(value))
+      for held in (scope.python, scope.prefix)
+      for (full, vt), value in held.items()
+      if vt is variable_type
+  )
   return out
+
+
+class _Prefix(tp.NamedTuple):
+  """What was held in Python for a name, before what the core returned."""
+
+  value: tp.Any
 
 
 def capture(

@@ -339,6 +339,33 @@ class FlaxParityTest(parameterized.TestCase):
         g, _state(g=_var('Perturbation', _array([0.0, 2.0, 4.0])), h=zeros)
     )
 
+  def test_init_entries_not_sown_under_jit(self):
+    # By hand, the capture under jax.jit (Flax cannot): the eval call does
+    # not perturb 'h', which comes back as init= gave it.
+
+    class M(nnx.Module):
+
+      def __init__(self):
+        self.w = nnx.Param(jnp.ones(3))
+
+      def __call__(self, x, train):
+        h = x * self.w[...]
+        if train:
+          h = self.perturb('h', h)
+        return jnp.sum(self.perturb('g', h) ** 2)
+
+    m, x = M(), jnp.arange(3.0)
+    _, p = nnx.capture(m, nnx.Perturbation)(x, True)
+    p = jax.tree.map(lambda v: v + 1.0, p)  # not zeros: seen as given
+    run = jax.jit(
+        lambda x, p: nnx.capture(m, nnx.Perturbation, init=p)(x, False)
+    )
+    y, q = run(x, p)
+    np.testing.assert_allclose(y, np.sum((np.arange(3.0) + 1.0) ** 2))
+    self.assertEqual(sorted(q), ['g', 'h'])
+    np.testing.assert_array_equal(q['h'][...], [1.0, 1.0, 1.0])
+    np.testing.assert_array_equal(q['g'][...], [1.0, 1.0, 1.0])
+
   def test_python_numbers_keep_their_type(self):
     _, state = _results(True)['python_numbers']['tuple']
     entries = {k: v['value'] for k, v in state['state'].items()}

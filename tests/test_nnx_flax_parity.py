@@ -445,6 +445,21 @@ class FlaxParityTest(parameterized.TestCase):
       self.assertEqual((type(first), first), (int, n))
       self.assertEqual(float(second), 1.0)
 
+  def test_reduce_fn_that_needs_arrays(self):
+    # A reduce_fn that Python numbers cannot run (Flax raises an
+    # AttributeError) folds them as arrays, by hand 1 + 2.
+
+    class M(nnx.Module):
+
+      def __call__(self, x):
+        for v in (1.0, 2.0):
+          self.sow(nnx.Intermediate, 's', v, init_fn=lambda: 0.0,
+                   reduce_fn=lambda a, v: a + v.sum())
+        return x
+
+    _, state = nnx.capture(M(), nnx.Intermediate)(1.0)
+    self.assertEqual(float(state['s'].get_value()), 3.0)
+
   def test_method_outputs_without_arrays(self):
     _, state = _results(True)['method_outputs_python']['tuple']
     self.assertEqual(state['state']["'greet'"]['value'], {'tuple': [_py('hi')]})

@@ -137,10 +137,15 @@ def _fold_in_python(scope, key, value, reduce_fn, init_fn):
     start from.
   """
   held = scope.python.pop(key, _NOTHING)
-  if key not in scope.to_core and scope.at_top() and _no_arrays(value):
+  if key not in scope.to_core and _no_arrays(value) and scope.at_top():
     start = init_fn() if held is _NOTHING else held
-    new = reduce_fn(start, value)
-    if _no_arrays(new):
+    new = _NOTHING
+    if _no_arrays(start):
+      try:
+        new = reduce_fn(start, value)
+      except (TypeError, AttributeError):
+        pass  # e.g. v.sum(): the core folds it on arrays, as it did before
+    if new is not _NOTHING and _no_arrays(new):
       scope.python[key] = new
       return _IN_PYTHON
     if held is _NOTHING:

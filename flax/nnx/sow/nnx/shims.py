@@ -322,13 +322,13 @@ def module_sow(
   reduced sow, whose accumulator is carried through loops. As in Flax, its
   ``reduce_fn`` may change the accumulator's type (``jnp.maximum`` from a
   scalar ``init_fn``, a tuple that grows) where the fold runs once per sow in
-  Python: at the capture's top level and in ``jax.jit``/``nnx.jit`` bodies;
+  Python: at the capture's top level and in ``jit``/``remat`` bodies;
   inside a loop, branch or ``vmap`` the type is fixed (``ValueError`` naming
   the sow). At the top level of an ``nnx.capture``, values that hold no
   array (Python numbers, strings) are folded in Python and keep their type
-  (:func:`_fold_in_python`). The module's path comes from ``scope.py``: a module among the
-  capture's arguments or referred to by the captured function, one inside
-  them, a copy an NNX transform or ``nnx.merge`` made of one, or an object
+  (:func:`_fold_in_python`). The module's path comes from ``scope.py``: a
+  module among the capture's arguments or referred to by the captured
+  function, one inside them, a copy an NNX transform or ``nnx.merge`` made of one, or an object
   ``nnx.merge`` built from a graphdef split before the capture. Outside any
   capture it keeps Flax's legacy behaviour: the value goes to a Variable
   attribute named ``name`` (read it with ``nnx.pop``), with Flax's

@@ -328,11 +328,11 @@ def module_sow(
   array (Python numbers, strings) are folded in Python and keep their type
   (:func:`_fold_in_python`). The module's path comes from ``scope.py``: a
   module among the capture's arguments or referred to by the captured
-  function, one inside them, a copy an NNX transform or ``nnx.merge`` made of one, or an object
-  ``nnx.merge`` built from a graphdef split before the capture. Outside any
-  capture it keeps Flax's legacy behaviour: the value goes to a Variable
-  attribute named ``name`` (read it with ``nnx.pop``), with Flax's
-  ``DeprecationWarning`` (its message begins as Flax's).
+  function, one inside them, a copy an NNX transform or ``nnx.merge`` made
+  of one, or an object ``nnx.merge`` built from a graphdef split before the
+  capture. Outside any capture it keeps Flax's legacy behaviour: the value
+  goes to a Variable attribute named ``name`` (read it with ``nnx.pop``),
+  with Flax's ``DeprecationWarning`` (its message begins as Flax's).
 
   Returns:
     ``True`` when an active capture collects ``variable_type`` exactly (or,

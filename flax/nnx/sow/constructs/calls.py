@@ -116,12 +116,14 @@ intervene_rules[_jax.call_p] = _call_intervene
 # ----------------------------------------------------------------------------
 # remat: the policy and flags are kept. Under differentiation the sow (an
 # effectful equation) runs in the forward pass only, so it is collected once.
+# As in a jit body, each sow is folded once where it is reached, so a
+# Module.sow reduction may change the accumulator's type there.
 
 
 def _remat_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
   p = eqn.params
   closed = _jax.ClosedJaxpr(p['jaxpr'], ())
-  new_jaxpr, layout, acc_in = collector.prepare(closed)
+  new_jaxpr, layout, acc_in = collector.prepare(closed, python_folds=True)
   open_jaxpr, consts = _jax.close_over_nothing(new_jaxpr)
   outs = _jax.remat_p.bind(
       *consts, *acc_in, *invals, **dict(p, jaxpr=open_jaxpr)

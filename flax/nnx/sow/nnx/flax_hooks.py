@@ -141,6 +141,25 @@ INVENTORY: tuple[Hook, ...] = (
         _SPLIT_MERGE_OBSERVER,
         wraps=True,
     ),
+    *(
+        Hook(
+            f'graphdef_{method}',
+            ((_graphlib.GraphDef, method),),
+            f'flax.nnx.graphlib.GraphDef.{method} (nnx.fori_loop,'
+            ' nnx.while_loop, nnx.grad)',
+            'scope.py',
+            'These transforms merge from a copy of a graphdef with its outer'
+            ' index changed: the copy is recorded as split from the object the'
+            ' graphdef was split from, so the merged objects keep its paths.',
+            _SPLIT_MERGE_OBSERVER,
+            wraps=True,
+        )
+        for method in (
+            'with_no_outer_index',
+            'with_same_outer_index',
+            'with_matching_outer_index',
+        )
+    ),
     Hook(
         'check_no_aliases',
         ((_extract, 'check_no_aliases'),),
@@ -210,12 +229,29 @@ def replacement(name: str) -> tp.Any:
     made = _REPLACEMENTS.get(name)
     if made is None:
       made = given = _REGISTERED[name]
-      if _BY_NAME[name].wraps:
-        made = functools.wraps(_ORIGINALS[name])(
-            functools.partial(given, _ORIGINALS[name])
-        )
+      hook = _BY_NAME[name]
+      if hook.wraps:
+        on_class = any(isinstance(owner, type) for owner, _ in hook.targets)
+        made = _wrapping(given, _ORIGINALS[name], on_class)
       _REPLACEMENTS[name] = made
     return made
+
+
+def _wrapping(
+    given: tp.Callable, flax_original: tp.Callable, on_class: bool
+) -> tp.Callable:
+  """``given(flax_original, *args, **kwargs)``: a ``functools.partial``, or,
+  for a method (``on_class``), a function, which binds to its instance."""
+  if not on_class:
+    return functools.wraps(flax_original)(
+        functools.partial(given, flax_original)
+    )
+
+  @functools.wraps(flax_original)
+  def made(*args, **kwargs):
+    return given(flax_original, *args, **kwargs)
+
+  return made
 
 
 def install() -> None:

@@ -79,6 +79,12 @@ class _Local(threading.local):
 
 _LOCAL = _Local()
 
+# What ``nnx.capture(..., method_outputs=T)`` records of each wrapped
+# method's output (set by ``shims.py``, which owns that API).
+method_output_recorder: tp.Callable[[tp.Any, str, tp.Any], None] = (
+    lambda self, method_name, result: None
+)
+
 
 def _is_array_tree(value) -> bool:
   scalars = (bool, int, float, complex, np.generic)
@@ -211,7 +217,7 @@ def _method_wrapper(method_name: str, method):
     result = method(self, *args, **kwargs)
     if not SCOPES.scopes:
       return result
-    _method_outputs(self, method_name, result)
+    method_output_recorder(self, method_name, result)
     if method_name == '__call__' and _LOCAL.requests:
       result = _hook_point(self, result)
     return result
@@ -228,17 +234,6 @@ def _named(self, scopes, what: str):
         f'{what}: the output of {type(self).__name__} would be named'
         f' {e.path!r}, but {e.why}; give the modules distinct names.'
     ) from None
-
-
-def _method_outputs(self, method_name: str, result) -> None:
-  # nnx.capture(..., method_outputs=T): sown under T, never replaced.
-  scopes = [s for s in reversed(SCOPES.scopes) if s.method_outputs]
-  if not scopes:
-    return
-  found = _named(self, scopes, 'nnx.capture(method_outputs=...)')
-  if found is not None and _is_array_tree(result):
-    scope, path = found
-    _core_sow(result, name=(*path, method_name), tag=scope.method_outputs)
 
 
 def _hook_point(self, result):

@@ -283,6 +283,8 @@ class _Merged:
     """
     while self.pending:
       graphdef, node = self.pending.pop(0)
+      if not _holds_module(node):
+        continue  # a State or Variables copied (nnx.clone, nnx.split)
       why = None
       if structure:
         why = (
@@ -334,6 +336,33 @@ class Scope:
     self._unnamed: tuple | None = None
     # The JAX trace the captured function's top level runs in (trace_key).
     self._trace_state: tp.Any = None
+    # nnx.capture: where its function's top level runs (start_call), the
+    # sows held in Python there and the names given to the core (shims.py).
+    self.top_trace: tp.Any = None
+    self.python: dict[tuple[Path, type], tp.Any] = {}
+    self.to_core: set[tuple[Path, type]] = set()
+    self.prefix: dict[tuple[Path, type], tuple] = {}
+
+  def start_call(self) -> None:
+    """Marks the current JAX trace as the captured function's top level."""
+    self.top_trace = _tracers.current_jax_trace()
+    self.python, self.to_core, self.prefix = {}, set(), {}
+
+  def forget_traces(self) -> None:
+    """Keeps the trace being made now (e.g. a ``jax.jit`` body, which holds
+    a value this call folded in Python as a constant) from serving a later
+    call: the later calls' jit cache keys differ."""
+    del self
+    with _GENERATION_LOCK:
+      _HELD_GENERATION[0] += 1
+
+  def at_top(self) -> bool:
+    """Whether the code running now is the captured function's top level
+    (not the body of a jit, loop, branch or other transform inside it)."""
+    return (
+        self.top_trace is not None
+        and _tracers.current_jax_trace() == self.top_trace
+    )
 
   def defer_roots(self, args: tuple, kwargs: dict, f) -> None:
     """Names the roots of ``args``/``kwargs`` and ``f`` (:meth:`add_roots`)
@@ -393,7 +422,13 @@ class Scope:
           self.structure.append((path, type(obj)))
 
   def _cheap_fingerprint(self):
-    return (self.kind, self.types, self.method_outputs, self.init_keys)
+    return (
+        self.kind,
+        self.types,
+        self.method_outputs,
+        self.init_keys,
+        _HELD_GENERATION[0],
+    )
 
   def fingerprint(self):
     """This scope's part of the jit cache key (``trace_key``): an
@@ -443,6 +478,19 @@ class Scope:
       self._events.append((True, graphdef, node))
       return
     self.splits[id(graphdef)] = (graphdef, node)
+
+  def note_derived(self, graphdef, derived) -> None:
+    """``derived`` is ``graphdef`` with its outer index changed: an object
+    merged from it is a copy of what ``graphdef`` was split from."""
+    if self._pending is not None:
+      for is_split, split_graphdef, node in reversed(self._events):
+        if is_split and split_graphdef is graphdef:
+          self._events.append((True, derived, node))
+          return
+      return
+    hit = self.splits.get(id(graphdef))
+    if hit is not None and hit[0] is graphdef:
+      self.splits[id(derived)] = (derived, hit[1])
 
   def note_merge(self, graphdef, node) -> None:
     if self._pending is not None:
@@ -495,6 +543,9 @@ class Scope:
 # under the current generation's key (a counter, like perturb's ordinals).
 _UNNAMED_GENERATION = [0]
 _GENERATION_LOCK = threading.Lock()
+# Part of every scope's key (Scope.forget_traces): a new value each time a
+# trace made inside a capture holds a value folded in Python at its top.
+_HELD_GENERATION = [0]
 
 
 def _unnamed_key(cheap) -> tuple:
@@ -780,6 +831,16 @@ def _unflatten(original, graphdef, state, /, **kwargs):
   return node
 
 
+def _derived_graphdef(original, graphdef, /, *args, **kwargs):
+  """A graphdef with its outer index changed comes from where ``graphdef``
+  was split (``nnx.fori_loop``/``while_loop`` merge from such copies)."""
+  out = original(graphdef, *args, **kwargs)
+  if _watching():
+    for scope in LOCAL.scopes:
+      scope.note_derived(graphdef, out)
+  return out
+
+
 def _by_position(trees: tp.Mapping[str, tp.Any]) -> dict:
   """The graph nodes in ``trees``, keyed by label and place."""
   return {
@@ -813,5 +874,11 @@ def _snapshot(original, args):
 # Wrapped in Flax by flax_hooks.py (its inventory says why).
 flax_hooks.register('graph_flatten', _flatten)
 flax_hooks.register('graph_unflatten', _unflatten)
+for _method in (
+    'with_no_outer_index',
+    'with_same_outer_index',
+    'with_matching_outer_index',
+):
+  flax_hooks.register(f'graphdef_{_method}', _derived_graphdef)
 flax_hooks.register('check_no_aliases', _check_no_aliases)
 flax_hooks.register('snapshot', _snapshot)

@@ -30,7 +30,7 @@ graph nodes among the arguments are handled as ``nnx.jit`` does
 one call to the next: the State is built from what the capture returns.
 ``nnx.capture(fn, T1, T2, ...)`` nests one functional capture per Variable
 type (``tags`` that type), so a name sown as ``Intermediate`` and perturbed
-as ``Perturbation`` lands in two captures and two States, as in Flax.
+as ``Perturbation`` lands in two captures and two States (Flax keeps one).
 
 :func:`install` puts every Flax replacement of the NNX layer in place (the
 inventory of ``flax_hooks.py``: these shims and the split/merge hooks of
@@ -50,6 +50,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 # Flax internals used by the shims (adapt here for a new Flax release).
@@ -101,6 +102,70 @@ _ZEROS = '__perturbation_init__'
 
 def _zeros_name(full: Path) -> Path:
   return (_ZEROS, *full)
+
+
+def _is_array_tree(value) -> bool:
+  scalars = (bool, int, float, complex, np.generic)
+  return all(
+      isinstance(leaf, (jax.Array, np.ndarray, jax.core.Tracer, *scalars))
+      for leaf in jax.tree.leaves(value)
+  )
+
+
+def _no_arrays(value) -> bool:
+  """Whether no leaf of ``value`` is an array (Python numbers, strings...)."""
+  arrays = (jax.Array, np.ndarray, np.generic, jax.core.Tracer)
+  return not any(isinstance(x, arrays) for x in jax.tree.leaves(value))
+
+
+_NOTHING = object()  # nothing held in Python for a name
+_IN_PYTHON = object()  # the sow was folded in Python
+
+
+def _fold_in_python(scope, key, value, reduce_fn, init_fn):
+  """Folds a sow of Python values (no array leaf) in Python, as Flax does.
+
+  At the top level of an ``nnx.capture``'s function, where Flax folds in
+  Python, a name sown only with values that hold no array is kept in
+  Python (``scope.python``): ``0.1`` stays a ``float``, ``2**40`` an
+  ``int``. Once a sow of the name needs the core (an array, or a sow inside
+  a jit, loop or other transform) the name goes to the core for the rest of
+  the call, starting from what was held.
+
+  Returns:
+    ``_IN_PYTHON`` when the value was folded in Python; otherwise what was
+    held for the name before (``_NOTHING`` if nothing), for the core sow to
+    start from.
+  """
+  held = scope.python.pop(key, _NOTHING)
+  if key not in scope.to_core and _no_arrays(value) and scope.at_top():
+    start = init_fn() if held is _NOTHING else held
+    new = _NOTHING
+    if _no_arrays(start):
+      try:
+        new = reduce_fn(start, value)
+      except (TypeError, AttributeError):
+        pass  # e.g. v.sum(): the core folds it on arrays, as it did before
+    if new is not _NOTHING and _no_arrays(new):
+      scope.python[key] = new
+      return _IN_PYTHON
+    if held is _NOTHING:
+      held = start
+  scope.to_core.add(key)
+  return held
+
+
+def _to_core(where: str, emit: tp.Callable[[], tp.Any]) -> None:
+  """``emit()``, naming the sow when a Python value is out of range."""
+  try:
+    emit()
+  except OverflowError as e:
+    raise OverflowError(
+        f'{where}: {e}. Inside a jit, loop or other transform (or next to an'
+        ' array sown under the same name) a sown Python number becomes an'
+        ' array (int32/float32, as jnp.asarray makes it); sow it as an array'
+        ' of a wide enough dtype, or outside the transform.'
+    ) from None
 
 
 # --------------------------------------------------------------------------
@@ -258,15 +323,17 @@ def module_sow(
   reduced sow, whose accumulator is carried through loops. As in Flax, its
   ``reduce_fn`` may change the accumulator's type (``jnp.maximum`` from a
   scalar ``init_fn``, a tuple that grows) where the fold runs once per sow in
-  Python: at the capture's top level and in ``jax.jit``/``nnx.jit`` bodies;
+  Python: at the capture's top level and in ``jit``/``remat`` bodies;
   inside a loop, branch or ``vmap`` the type is fixed (``ValueError`` naming
-  the sow). The module's path comes from ``scope.py``: a module among the
-  capture's arguments or referred to by the captured function, one inside
-  them, a copy an NNX transform or ``nnx.merge`` made of one, or an object
-  ``nnx.merge`` built from a graphdef split before the capture. Outside any
-  capture it keeps Flax's legacy behaviour: the value goes to a Variable
-  attribute named ``name`` (read it with ``nnx.pop``), with Flax's
-  ``DeprecationWarning`` (its message begins as Flax's).
+  the sow). At the top level of an ``nnx.capture``, values that hold no
+  array (Python numbers, strings) are folded in Python and keep their type
+  (:func:`_fold_in_python`). The module's path comes from ``scope.py``: a
+  module among the capture's arguments or referred to by the captured
+  function, one inside them, a copy an NNX transform or ``nnx.merge`` made
+  of one, or an object ``nnx.merge`` built from a graphdef split before the
+  capture. Outside any capture it keeps Flax's legacy behaviour: the value
+  goes to a Variable attribute named ``name`` (read it with ``nnx.pop``),
+  with Flax's ``DeprecationWarning`` (its message begins as Flax's).
 
   Returns:
     ``True`` when an active capture collects ``variable_type`` exactly (or,
@@ -286,19 +353,38 @@ def module_sow(
   scope, path, accepted = located
   full = (*path, name)
   state_lib.name_to_path(full)
+  where = _where(self, variable_type, name, 'sow')
   init = scope.init.get(full)
-  if init is not None and init[0] is variable_type:
+  has_init = init is not None and init[0] is variable_type
+  held = _NOTHING
+  if has_init:
     # init= holds this sow's starting value (Flax sets the attribute to it
     # before the call): the accumulator starts from it (a tuple of values
     # for the default reduce_fn, which then appends to it).
-    init_value = init[1]
-    init_fn = lambda: init_value  # pylint: disable=unnecessary-lambda
-  elif reduce_fn is _TUPLE_REDUCE:
-    _core_sow(value, name=full, tag=variable_type)
+    held = init[1]
+  elif accepted and scope.kind == 'nnx':
+    held = _fold_in_python(
+        scope, (full, variable_type), value, reduce_fn, init_fn
+    )
+    if held is _IN_PYTHON:
+      return True
+  if reduce_fn is _TUPLE_REDUCE and not has_init:
+    if held is not _NOTHING:  # the entries before, held in Python
+      scope.prefix[(full, variable_type)] = held
+    _to_core(where, lambda: _core_sow(value, name=full, tag=variable_type))
     return accepted
+  if held is not _NOTHING:
+    if not has_init and not scope.at_top():
+      scope.forget_traces()  # this trace holds ``held`` as a constant
+    init_fn = lambda: held  # pylint: disable=unnecessary-lambda
   # A reduced sow, folded as Flax folds it: where no loop or branch carries
   # the accumulator, reduce_fn may change its type (e.g. a tuple that grows).
-  sow_site(value, full, variable_type, reduce_fn, init_fn, fixed_type=False)
+  _to_core(
+      where,
+      lambda: sow_site(
+          value, full, variable_type, reduce_fn, init_fn, fixed_type=False
+      ),
+  )
   return accepted
 
 
@@ -343,6 +429,43 @@ def module_perturb(self, name: str, value, variable_type=nnx.Perturbation):
         tag=PerturbationInit(variable_type),
     )
   return _core_perturb(value, name=full, tag=variable_type)
+
+
+# --------------------------------------------------------------------------
+# method_outputs: what a wrapped method's output records (``hooks.py``
+# wraps the methods, one wrapper per class, for this and module_outputs).
+# --------------------------------------------------------------------------
+
+
+def _record_method_output(self, method_name: str, result) -> None:
+  """Sows ``result`` under ``(*path, method_name)`` for the innermost
+  ``nnx.capture(..., method_outputs=T)`` that names ``self``."""
+  scopes = [s for s in reversed(LOCAL.scopes) if s.method_outputs]
+  if not scopes:
+    return
+  try:
+    found = scope_lib.innermost_naming(self, scopes)
+  except SharedPathError as e:
+    raise ValueError(
+        f'nnx.capture(method_outputs=...): the output of'
+        f' {type(self).__name__}.{method_name} would be named'
+        f' {(*e.path, method_name)!r}, but {e.why}; give the modules'
+        ' distinct names.'
+    ) from None
+  if found is not None:
+    scope, path = found
+    full = (*path, method_name)
+    key = (full, scope.method_outputs)
+    # Kept in Python where Flax keeps it (a str, a Python number); an
+    # output with no array leaf inside a transform is not recorded.
+    held = _fold_in_python(scope, key, result, _TUPLE_REDUCE, _TUPLE_INIT)
+    if held is not _IN_PYTHON and _is_array_tree(result):
+      if held is not _NOTHING:
+        scope.prefix[key] = held
+      _core_sow(result, name=full, tag=scope.method_outputs)
+
+
+hooks.method_output_recorder = _record_method_output
 
 
 # --------------------------------------------------------------------------
@@ -393,13 +516,14 @@ def _sum_entries(entries: tuple):
     return entries
 
 
-def _build_state(collected, variable_type):
+def _build_state(collected, variable_type, held: dict):
   """The State of one Variable type, from its own capture's ``collected``.
 
   A plain ``Module.sow`` gives its tuple, a reduced one its accumulator, a
   ``Module.perturb`` the sum of its cotangents (``collected.cotangents``), or,
   when nothing differentiated it, the zeros (or ``init=`` value) sown under
-  :func:`_zeros_name`.
+  :func:`_zeros_name`. ``held`` (:func:`_held`) adds the entries the capture
+  did not return.
   """
   flat: dict[Path, tp.Any] = {}
   for name, value in collected.items():
@@ -411,7 +535,47 @@ def _build_state(collected, variable_type):
       flat[name] = _sum_entries(value)
     else:
       flat[name] = value
+  for name, value in held.items():
+    if not isinstance(value, _Prefix):
+      flat.setdefault(name, value)  # an init= entry not sown this call
+    elif name not in flat:
+      flat[name] = value.value
+    else:  # a plain name: its entries held in Python come first
+      flat[name] = (*value.value, *flat[name])
   return state_lib.collected_to_state(flat, variable_type)
+
+
+def _held(scope, variable_type, init_entries, module) -> dict[Path, tp.Any]:
+  """The entries of ``variable_type``'s State that the core did not return.
+
+  The sows folded in Python (:func:`_fold_in_python`; for a name the core
+  got later, the entries before, which come first), and, as Flax starts
+  every module's captures from ``init=``, the ``init=`` entries of that type
+  for a module of ``module`` that the call did not sow (e.g. a perturbation
+  that runs in training only, in an evaluation call), as they were given.
+  """
+  out = {}
+  inits = {
+      path: value
+      for path, (vt, value) in init_entries.items()
+      if vt is variable_type
+  }
+  if inits:
+    modules = {path for path, _ in _module_lib.iter_modules(module)}
+    out.update((p, v) for p, v in inits.items() if p[:-1] in modules)
+  out.update(
+      (full, _Prefix(value))
+      for held in (scope.python, scope.prefix)
+      for (full, vt), value in held.items()
+      if vt is variable_type
+  )
+  return out
+
+
+class _Prefix(tp.NamedTuple):
+  """What was held in Python for a name, before what the core returned."""
+
+  value: tp.Any
 
 
 def capture(
@@ -492,6 +656,7 @@ def capture(
 
     def staged(m, values, *a, **k):
       scope.init = {key: (vt, v) for (key, vt), v in zip(init_keys, values)}
+      scope.start_call()
       return invoke(m, *a, **k)
 
     with _methods_sowing_outputs(module, method_outputs):
@@ -508,9 +673,20 @@ def capture(
     if not var_types:
       return result
     # One State per requested type, by exact type (a subclass of a requested
-    # type is returned only when it is requested itself).
-    by_type = dict(zip(types, collected))
-    return (result, *(_build_state(by_type[vt], vt) for vt in var_types))
+    # type is returned only when it is requested itself). A type requested
+    # again gets an empty State, as Flax's split_state gives it.
+    states = [
+        _build_state(c, vt, _held(scope, vt, init_entries, module))
+        for c, vt in zip(collected, types)
+    ]
+    by_type = dict(zip(types, states))
+    return (
+        result,
+        *(
+            by_type.pop(vt) if vt in by_type else nnx.State({})
+            for vt in var_types
+        ),
+    )
 
   if not isinstance(fn, nnx.Module):
     wrapper = functools.wraps(fn)(wrapper)

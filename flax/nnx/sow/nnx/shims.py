@@ -63,6 +63,7 @@ from flax.nnx.sow.nnx import state as state_lib
 from flax.nnx.sow.capturing import stage_and_collect
 from flax.nnx.sow.nnx.calls import functional_graph_call
 from flax.nnx.sow.nnx import scope as scope_lib
+from flax.nnx.sow.nnx import slices
 from flax.nnx.sow.nnx.scope import LOCAL
 from flax.nnx.sow.nnx.scope import Path
 from flax.nnx.sow.nnx.scope import Scope
@@ -97,10 +98,61 @@ class PerturbationInit:
 
 
 _ZEROS = '__perturbation_init__'
+# A reduced sow by a module an NNX transform slices comes back as one entry,
+# stacked per slice, under ``(_SLICED, *name)`` (``slices.py``).
+_SLICED = '__sliced__'
 
 
 def _zeros_name(full: Path) -> Path:
   return (_ZEROS, *full)
+
+
+def _last(acc, value):
+  del acc
+  return value
+
+
+def _slicing(self, variable_type, name, what: str) -> list:
+  """``slices.slicing_frames``, raising naming the sow where it cannot
+  tell whether a transform slices the module."""
+  try:
+    return slices.slicing_frames(self, variable_type)
+  except slices.Undecided as e:
+    raise ValueError(
+        f'{_where(self, variable_type, name, what)}: {e}. Flax keeps this'
+        ' value in the module state, one per slice where the transform'
+        ' slices the module; pass the module with in_axes=0 (all of its'
+        ' state sliced) or None/nnx.Carry (none of it), or sow without'
+        ' reduce_fn/init_fn and init= (a plain sow is stacked either way).'
+    ) from None
+
+
+def _reduced_sow(scope, frames, value, full, tag, reduce_fn, init_fn, fixed):
+  """A reduced sow: folded per slice of the innermost transform that slices
+  the module (``frames``), else one accumulator in the capture."""
+  if not frames:
+    sow_site(value, full, tag, reduce_fn, init_fn, fixed_type=fixed)
+    return
+  outer = (_SLICED, *full) if scope.kind == 'nnx' else full
+  sow_site(
+      value,
+      slices.local_name(outer, tag),
+      frames[-1].tag,
+      reduce_fn,
+      init_fn,
+      fixed_type=fixed,
+  )
+
+
+def _state_sow(scope, frames, value, full, tag) -> None:
+  """Sows ``value`` as the perturbation state Flax keeps for ``full``: one
+  value (the last one sown), per slice where a transform slices the module.
+  """
+  structs = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), value
+  )
+  zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), structs)
+  _reduced_sow(scope, frames, value, full, tag, _last, zeros, True)
 
 
 def _is_array_tree(value) -> bool:
@@ -295,18 +347,22 @@ def module_sow(
   full = (*path, name)
   state_lib.name_to_path(full)
   init = scope.init.get(full)
-  if init is not None and init[0] is variable_type:
+  has_init = init is not None and init[0] is variable_type
+  if not has_init and reduce_fn is _TUPLE_REDUCE:
+    _core_sow(value, name=full, tag=variable_type)
+    return accepted
+  frames = _slicing(self, variable_type, name, 'sow')
+  if has_init:
     # init= holds this sow's starting value (Flax sets the attribute to it
     # before the call): the accumulator starts from it (a tuple of values
     # for the default reduce_fn, which then appends to it).
-    init_value = init[1]
+    init_value = slices.init_row(frames, (full, variable_type), init[1])
     init_fn = lambda: init_value  # pylint: disable=unnecessary-lambda
-  elif reduce_fn is _TUPLE_REDUCE:
-    _core_sow(value, name=full, tag=variable_type)
-    return accepted
   # A reduced sow, folded as Flax folds it: where no loop or branch carries
   # the accumulator, reduce_fn may change its type (e.g. a tuple that grows).
-  sow_site(value, full, variable_type, reduce_fn, init_fn, fixed_type=False)
+  _reduced_sow(
+      scope, frames, value, full, variable_type, reduce_fn, init_fn, False
+  )
   return accepted
 
 
@@ -336,20 +392,22 @@ def module_perturb(self, name: str, value, variable_type=nnx.Perturbation):
   scope, path, accepted = located
   full = (*path, name)
   init = scope.init.get(full)
+  tag = PerturbationInit(variable_type)
   if init is not None and init[0] is variable_type:
+    frames = _slicing(self, variable_type, name, 'perturb')
+    # Flax slices the init= value like the module's state.
+    row = slices.init_row(frames, (full, variable_type), init[1])
     if accepted:
-      _core_sow(
-          init[1], name=_zeros_name(full), tag=PerturbationInit(variable_type)
-      )
-    return jax.tree.map(operator.add, init[1], value)
+      _state_sow(scope, frames, row, _zeros_name(full), tag)
+    return jax.tree.map(operator.add, row, value)
   if accepted and scope.kind == 'nnx':
     # nnx.capture returns zeros for a perturbation nothing differentiates
-    # (Flax's step 1); a functional capture has no such entry.
-    _core_sow(
-        jax.tree.map(jnp.zeros_like, value),
-        name=_zeros_name(full),
-        tag=PerturbationInit(variable_type),
-    )
+    # (Flax's step 1), shaped like the module's state: one value, per slice
+    # where a transform slices the module; a functional capture has no such
+    # entry.
+    frames = _slicing(self, variable_type, name, 'perturb')
+    zeros = jax.tree.map(jnp.zeros_like, value)
+    _state_sow(scope, frames, zeros, _zeros_name(full), tag)
   return _core_perturb(value, name=full, tag=variable_type)
 
 
@@ -440,6 +498,20 @@ def _sum_entries(entries: tuple):
     return entries
 
 
+def _stacked(name: Path, entries: tuple, variable_type):
+  """The one entry of the accumulators of a sliced module, stacked."""
+  if len(entries) == 1:
+    return entries[0]
+  full = name[1:] if name[0] == _ZEROS else name
+  raise ValueError(
+      f'Module.sow({variable_type.__name__}, {full[-1]!r}) (named'
+      f' {full!r}): a module that an nnx.scan or nnx.vmap slices reduced it in'
+      f' {len(entries)} runs of the transform. Flax keeps one accumulator'
+      ' per slice across them; here each run starts its own. Sow under a'
+      ' name per call, or reduce the values yourself.'
+  )
+
+
 def _build_state(collected, variable_type):
   """The State of one Variable type, from its own capture's ``collected``.
 
@@ -450,10 +522,12 @@ def _build_state(collected, variable_type):
   """
   flat: dict[Path, tp.Any] = {}
   for name, value in collected.items():
+    if isinstance(name, tuple) and name[0] == _SLICED:
+      name, value = name[1:], _stacked(name[1:], value, variable_type)
     if isinstance(name, tuple) and name[0] == _ZEROS:
       full = name[1:]
-      if full not in collected and value:
-        flat[full] = value[0]
+      if full not in collected:
+        flat[full] = value
     elif name in collected.cotangents:
       flat[name] = _sum_entries(value)
     else:

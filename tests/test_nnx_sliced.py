@@ -101,7 +101,9 @@ def remat_scan_forward(blocks, x):
 
 X = jnp.linspace(-1.0, 1.0, 6).reshape(2, 3)
 FORWARDS = {
-    'scan': scan_forward, 'vmap': vmap_forward, 'remat_scan': remat_scan_forward,
+    'scan': scan_forward,
+    'vmap': vmap_forward,
+    'remat_scan': remat_scan_forward,
 }
 
 
@@ -360,7 +362,9 @@ class SameAsFlaxTest(parameterized.TestCase):
     expected = np.asarray(expected, np.float64)
     shape, values = got[path]
     self.assertEqual(tuple(shape), expected.shape, path)
-    np.testing.assert_allclose(values, expected.ravel(), rtol=1e-5, err_msg=path)
+    np.testing.assert_allclose(
+        values, expected.ravel(), rtol=1e-5, err_msg=path
+    )
 
   @parameterized.parameters(*SAME_AS_FLAX)
   def test_same_states_as_flax(self, case):
@@ -534,7 +538,9 @@ class LoopRowTest(parameterized.TestCase):
   def test_closure_over_an_enclosing_tracer(self):
     # The stacked value is a tracer of an enclosing jit, closed over.
     f = jax.jit(lambda w: self.with_row(w * 2.0, self.XS)[0])
-    np.testing.assert_allclose(f(self.W), self.with_xs(2.0 * self.W, self.XS)[0])
+    np.testing.assert_allclose(
+        f(self.W), self.with_xs(2.0 * self.W, self.XS)[0]
+    )
 
   @parameterized.parameters(False, True)
   def test_vmap(self, jit):

@@ -33,7 +33,7 @@ accumulator, carried through the loop. This file gives the shims
 * **Which modules a frame slices.** Flax copies a module for the body (a
   merge of the graphdef it split, or a tree-mode copy;
   ``scope.copy_observers``); the copy is sliced when every array of its
-  Variables lost the leading axis of the original's (``nnx.scan`` over
+  Variables, as Flax made it, lost the leading axis of the original's (``nnx.scan`` over
   axis 0, ``nnx.vmap(in_axes=0)``), broadcast or carried when every array
   kept its shape. A copy of a copy (``nnx.remat``, ``nnx.jit`` in the body)
   is what its source is. Where the shapes do not decide it (a module with
@@ -97,8 +97,11 @@ class Frame:
     in_axes: the transform's ``in_axes``.
     depth: how many frames run around it in the innermost capture.
     loop: the body's trace (``rows.current_loop``).
-    copies: ``id(copy) -> (copy, source, root copy, root source)`` for the
-      graph nodes Flax copied while the body ran.
+    copies: ``id(copy) -> (copy, source, shapes, root shapes)`` for the
+      graph nodes Flax copied while the body ran; ``shapes`` are those of
+      the arrays of the copy's and the source's Variables when Flax made the
+      copy (:func:`_array_shapes`), ``root shapes`` those of the whole
+      object copied.
     rows: the ``init=`` rows taken here, by ``(name, Variable type)``.
   """
 
@@ -129,14 +132,17 @@ def _note_copy(source, copy) -> None:
   innermost frame, node by node at the same place."""
   frame = LOCAL.frames[-1]
   at = {} if source is None else dict(scope_lib.graph_nodes(source))
+  root = None
   for rel, child in scope_lib.graph_nodes(copy):
     original = at.get(rel)
     if original is None or type(original) is not type(child):
       original = scope_lib.outer_object(child)
-    if original is not None and original is not child:
-      frame.copies.setdefault(
-          id(child), (child, original, copy, source or original)
-      )
+    if original is None or original is child or id(child) in frame.copies:
+      continue
+    if root is None:
+      root = (_array_shapes(copy), _array_shapes(source or original))
+    shapes = (_array_shapes(child), _array_shapes(original))
+    frame.copies[id(child)] = (child, original, shapes, root)
 
 
 scope_lib.copy_observers.append(_note_copy)
@@ -160,10 +166,10 @@ def _array_shapes(node) -> dict[tuple, tuple[int, ...]]:
   return out
 
 
-def _compare(copy, source) -> tuple[str, frozenset]:
+def _compare(inner: dict, outer: dict) -> tuple[str, frozenset]:
   """``('sliced', axes)``, ``('same', ())``, ``('mixed', ())`` or
-  ``('none', ())``: how the arrays of ``copy`` relate to ``source``'s."""
-  inner, outer = _array_shapes(copy), _array_shapes(source)
+  ``('none', ())``: how the arrays of a copy (their shapes ``inner``) relate
+  to its source's (``outer``)."""
   same = sliced = 0
   axes = None
   for path, c in inner.items():
@@ -214,10 +220,10 @@ def _verdict(frame: Frame, entry, variable_type) -> bool:
   Raises:
     Undecided: where the shapes and ``in_axes`` do not tell.
   """
-  copy, source, root_copy, root_source = entry
-  how, axes = _compare(copy, source)
+  copy, _, shapes, root_shapes = entry
+  how, axes = _compare(*shapes)
   if how == 'none':
-    how, axes = _compare(root_copy, root_source)
+    how, axes = _compare(*root_shapes)
   where = f'{frame.kind} (in_axes={frame.in_axes!r})'
   if how == 'none':
     raise Undecided(

@@ -465,6 +465,22 @@ class UndecidedTest(absltest.TestCase):
           blocks, jnp.ones(3)
       )
 
+  def test_outer_capture_across_a_capture_in_the_body(self):
+    blocks = _stack(nnx.Rngs(0))
+
+    def f(b, x):
+      inner = lambda b, x: nnx.capture(lambda b, x: b(x), nnx.Perturbation)(
+          b, x
+      )[0]
+      return nnx.vmap(inner, in_axes=(0, None))(b, x)
+
+    with self.assertRaisesRegex(
+        ValueError,
+        r"Module.sow\(Intermediate, 'tot'\) in Stacked: it goes to a"
+        r' capture around an inner capture',
+    ):
+      nnx.capture(f, nnx.Intermediate)(blocks, jnp.ones(3))
+
   def test_plain_sow_is_stacked_either_way(self):
     class Plain(Stacked):
 

@@ -345,6 +345,9 @@ class Scope:
     self._unnamed: tuple | None = None
     # The JAX trace the captured function's top level runs in (trace_key).
     self._trace_state: tp.Any = None
+    # Set by ActiveScope: the capture runs inside the body of an NNX
+    # transform that may slice module state (``slices.py``).
+    self.inside_frames = False
 
   def defer_roots(self, args: tuple, kwargs: dict, f) -> None:
     """Names the roots of ``args``/``kwargs`` and ``f`` (:meth:`add_roots`)
@@ -560,6 +563,8 @@ class ActiveScope:
     # and the transform bodies around it slice nothing inside it.
     self._transform_args, LOCAL.transform_args = LOCAL.transform_args, None
     self._frames, LOCAL.frames = LOCAL.frames, []
+    # Whether this capture runs inside such a body of the capture around.
+    self.scope.inside_frames = bool(self._frames)
     LOCAL.scopes.append(self.scope)
     return self.scope
 

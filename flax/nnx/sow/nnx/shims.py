@@ -112,11 +112,11 @@ def _last(acc, value):
   return value
 
 
-def _slicing(self, variable_type, name, what: str) -> list:
+def _slicing(self, scope, variable_type, name, what: str) -> list:
   """``slices.slicing_frames``, raising naming the sow where it cannot
   tell whether a transform slices the module."""
   try:
-    return slices.slicing_frames(self, variable_type)
+    return slices.slicing_frames(self, variable_type, scope)
   except slices.Undecided as e:
     raise ValueError(
         f'{_where(self, variable_type, name, what)}: {e}. Flax keeps this'
@@ -351,7 +351,7 @@ def module_sow(
   if not has_init and reduce_fn is _TUPLE_REDUCE:
     _core_sow(value, name=full, tag=variable_type)
     return accepted
-  frames = _slicing(self, variable_type, name, 'sow')
+  frames = _slicing(self, scope, variable_type, name, 'sow')
   if has_init:
     # init= holds this sow's starting value (Flax sets the attribute to it
     # before the call): the accumulator starts from it (a tuple of values
@@ -394,7 +394,7 @@ def module_perturb(self, name: str, value, variable_type=nnx.Perturbation):
   init = scope.init.get(full)
   tag = PerturbationInit(variable_type)
   if init is not None and init[0] is variable_type:
-    frames = _slicing(self, variable_type, name, 'perturb')
+    frames = _slicing(self, scope, variable_type, name, 'perturb')
     # Flax slices the init= value like the module's state.
     row = slices.init_row(frames, (full, variable_type), init[1])
     if accepted:
@@ -405,7 +405,7 @@ def module_perturb(self, name: str, value, variable_type=nnx.Perturbation):
     # (Flax's step 1), shaped like the module's state: one value, per slice
     # where a transform slices the module; a functional capture has no such
     # entry.
-    frames = _slicing(self, variable_type, name, 'perturb')
+    frames = _slicing(self, scope, variable_type, name, 'perturb')
     zeros = jax.tree.map(jnp.zeros_like, value)
     _state_sow(scope, frames, zeros, _zeros_name(full), tag)
   return _core_perturb(value, name=full, tag=variable_type)

@@ -255,13 +255,20 @@ def _verdict(frame: Frame, entry, variable_type) -> bool:
   return sliced
 
 
-def slicing_frames(obj, variable_type) -> list[Frame]:
+def slicing_frames(obj, variable_type, scope) -> list[Frame]:
   """The frames that slice ``obj`` (through the copies Flax made of it),
-  outermost first.
+  outermost first; ``scope`` is the capture that names the sow.
 
   Raises:
     Undecided: naming the transform, where it cannot be told.
   """
+  inner = LOCAL.scopes[[id(s) for s in LOCAL.scopes].index(id(scope)) + 1 :]
+  if any(s.inside_frames for s in inner):
+    raise Undecided(
+        'it goes to a capture around an inner capture that runs inside the'
+        ' body of an nnx.scan or nnx.vmap, which is not told what that'
+        ' transform slices'
+    )
   found = []
   x = obj
   for frame in reversed(LOCAL.frames):

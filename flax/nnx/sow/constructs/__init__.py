@@ -26,6 +26,8 @@ batching or partial-evaluation wrapper it needs (registered with
 * ``linear_solve.py``: ``custom_linear_solve``.
 * ``scan.py``, ``while_loop.py``, ``cond.py`` (``cond`` and ``switch``).
 * ``shard_map.py``: ``shard_map`` and so ``pmap``.
+* ``rows.py``: ``loop_row``, the row of a stacked constant for the current
+  iteration of a ``scan`` or ``vmap``.
 * ``adapter.py``: the binders every rule adds (leading constants, trailing
   inputs and outputs); ``batched.py``: the half of the ``scan``/``cond``
   batching wrappers they share.
@@ -37,6 +39,7 @@ from flax.nnx.sow.constructs import calls
 from flax.nnx.sow.constructs import cond
 from flax.nnx.sow.constructs import custom
 from flax.nnx.sow.constructs import linear_solve
+from flax.nnx.sow.constructs import rows
 from flax.nnx.sow.constructs import scan
 from flax.nnx.sow.constructs import shard_map
 from flax.nnx.sow.constructs import while_loop
@@ -46,6 +49,7 @@ __all__ = [
     'cond',
     'custom',
     'linear_solve',
+    'rows',
     'scan',
     'shard_map',
     'while_loop',

@@ -42,6 +42,7 @@ from flax import nnx
 from flax.nnx import extract as _extract
 from flax.nnx import graphlib as _graphlib
 from flax.nnx import module as _module_lib
+from flax.nnx.transforms import iteration as _iteration
 
 FLAX_VERSIONS = 'flax 0.12.8 (flax>=0.12.8,<0.13 in pyproject.toml)'
 
@@ -179,6 +180,28 @@ INVENTORY: tuple[Hook, ...] = (
         ' receives: each is given the path of the argument at its place.',
         _TREE_MODE_OBSERVER,
         wraps=True,
+    ),
+    *(
+        Hook(
+            name,
+            ((cls, '__call__'),),
+            f'flax.nnx.transforms.iteration.{cls.__name__}.__call__ (the'
+            f' body of {transform})',
+            'slices.py',
+            'Flax keeps what a capture collects in the module state, so a'
+            ' module the transform slices has one accumulator per slice: the'
+            ' body runs in a capture that folds the reduced sows of such'
+            ' modules one iteration at a time, and sows the accumulators'
+            ' again for the transform to stack.',
+            'A public hook around the body of NNX transforms, told which'
+            ' modules they slice (the in_axes prefix of each graph node).',
+        )
+        for name, cls, transform in (
+            ('scan_body', _iteration.ScanFn, 'nnx.scan'),
+            ('simple_scan_body', _iteration.SimpleScanFn, 'nnx.scan'),
+            ('vmap_body', _iteration.VmapFn, 'nnx.vmap'),
+            ('simple_vmap_body', _iteration.SimpleVmapFn, 'nnx.vmap'),
+        )
     ),
     Hook(
         'method_outputs',

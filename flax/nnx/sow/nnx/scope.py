@@ -117,6 +117,15 @@ class _Local(threading.local):
     self.busy = False  # the scope itself is flattening: hooks stand aside
     # Graph nodes an NNX transform in tree mode received, by position.
     self.transform_args: dict | None = None
+    # The bodies of the NNX transforms that may slice module state, running
+    # now inside the innermost capture (``slices.py``), outermost first.
+    self.frames: list = []
+
+
+# Called with ``(source, copy)`` for each object Flax copies inside a
+# capture (a merge from a graphdef split in the call, or a tree-mode
+# transform's copy of an argument; ``slices.py``).
+copy_observers: list[tp.Callable[[tp.Any, tp.Any], None]] = []
 
 
 LOCAL = _Local()
@@ -326,6 +335,8 @@ class Scope:
     # (path, type) of every node under a root, in order.
     self.structure: list[tuple[Path, type]] = []
     self.splits: dict[int, tuple[tp.Any, tp.Any]] = {}  # graphdef, source
+    # The same, recorded at once also while the roots are not named.
+    self.split_sources: dict[int, tuple[tp.Any, tp.Any]] = {}
     # Root paths two roots would share: a sow under them raises.
     self.shared: dict[Path, str] = {}
     self.merged = _Merged()
@@ -342,6 +353,9 @@ class Scope:
     self.python: dict[tuple[Path, type], tp.Any] = {}
     self.to_core: set[tuple[Path, type]] = set()
     self.prefix: dict[tuple[Path, type], tuple] = {}
+    # Set by ActiveScope: the capture runs inside the body of an NNX
+    # transform that may slice module state (``slices.py``).
+    self.inside_frames = False
 
   def start_call(self) -> None:
     """Marks the current JAX trace as the captured function's top level."""
@@ -396,7 +410,7 @@ class Scope:
       with _GENERATION_LOCK:
         if _UNNAMED_GENERATION[0] == self._unnamed[2]:
           _UNNAMED_GENERATION[0] += 1
-    _rekey()
+    rekey()
 
   def accepts(self, tag) -> bool:
     return self.types is None or tag in self.types
@@ -596,8 +610,12 @@ class ActiveScope:
     self.scope = scope
 
   def __enter__(self):
-    # What a tree-mode transform received is this call's (restored after).
+    # What a tree-mode transform received is this call's (restored after),
+    # and the transform bodies around it slice nothing inside it.
     self._transform_args, LOCAL.transform_args = LOCAL.transform_args, None
+    self._frames, LOCAL.frames = LOCAL.frames, []
+    # Whether this capture runs inside such a body of the capture around.
+    self.scope.inside_frames = bool(self._frames)
     LOCAL.scopes.append(self.scope)
     return self.scope
 
@@ -605,6 +623,7 @@ class ActiveScope:
     popped = LOCAL.scopes.pop()
     assert popped is self.scope
     LOCAL.transform_args = self._transform_args
+    LOCAL.frames = self._frames
 
 
 class trace_key:
@@ -621,20 +640,26 @@ class trace_key:
     for scope in LOCAL.scopes:
       if scope._pending is not None and scope._trace_state is None:  # pylint: disable=protected-access
         scope._trace_state = _tracers.current_jax_trace()  # pylint: disable=protected-access
-    key = tuple(s.fingerprint() for s in LOCAL.scopes)
-    self._key = TRACE_KEY((key, ()))
+    self._key = TRACE_KEY((_scopes_key(), ()))
     self._key.__enter__()
 
   def __exit__(self, *exc):
     self._key.__exit__(*exc)
 
 
-def _rekey() -> None:
+def _scopes_key() -> tuple:
+  """The scopes' fingerprints and how many transform bodies that may slice
+  module state run now inside the innermost capture (``slices.py``: their
+  sows are named and tagged differently)."""
+  return (*(s.fingerprint() for s in LOCAL.scopes), len(LOCAL.frames))
+
+
+def rekey() -> None:
   """Puts the scopes' fingerprints in the key again (after one named its
-  roots) inside a captured function."""
+  roots, or a transform body started or ended) inside a captured function."""
   current = TRACE_KEY.value
   if isinstance(current, tuple) and len(current) == 2:
-    key = tuple(s.fingerprint() for s in LOCAL.scopes)
+    key = _scopes_key()
     if key != current[0]:
       TRACE_KEY_CONFIG.swap_local((key, current[1]))
 
@@ -808,6 +833,11 @@ def _is_splittable(x) -> bool:
   return _graphlib.is_node(x) and not isinstance(x, nnx.Variable)
 
 
+def watching() -> bool:
+  """Whether a capture is active and the hooks should record."""
+  return _watching()
+
+
 def _watching() -> bool:
   return bool(LOCAL.scopes) and not LOCAL.busy
 
@@ -816,6 +846,7 @@ def _flatten(original, node, /, **kwargs):
   out = original(node, **kwargs)
   if _watching() and _is_splittable(node):
     for scope in LOCAL.scopes:
+      scope.split_sources[id(out[0])] = (out[0], node)
       scope.note_split(out[0], node)
     with _busy():
       _key_on_split(node)
@@ -828,6 +859,10 @@ def _unflatten(original, graphdef, state, /, **kwargs):
     with _busy():
       for scope in LOCAL.scopes:
         scope.note_merge(graphdef, node)
+      if LOCAL.frames:
+        source = split_source(graphdef)
+        for observe in copy_observers:
+          observe(source, node)
   return node
 
 
@@ -839,6 +874,15 @@ def _derived_graphdef(original, graphdef, /, *args, **kwargs):
     for scope in LOCAL.scopes:
       scope.note_derived(graphdef, out)
   return out
+
+
+def split_source(graphdef) -> tp.Any:
+  """The object an active scope saw split into ``graphdef``, or None."""
+  for scope in LOCAL.scopes:
+    hit = scope.split_sources.get(id(graphdef))
+    if hit is not None and hit[0] is graphdef:
+      return hit[1]
+  return None
 
 
 def _by_position(trees: tp.Mapping[str, tp.Any]) -> dict:
@@ -868,6 +912,11 @@ def _snapshot(original, args):
     with _busy():
       for scope in LOCAL.scopes:
         scope.note_transform_copies(outer, inner)
+      if LOCAL.frames:
+        for key, copy in inner.items():
+          if outer.get(key) is not None:
+            for observe in copy_observers:
+              observe(outer[key], copy)
   return out
 
 
@@ -882,3 +931,9 @@ for _method in (
   flax_hooks.register(f'graphdef_{_method}', _derived_graphdef)
 flax_hooks.register('check_no_aliases', _check_no_aliases)
 flax_hooks.register('snapshot', _snapshot)
+
+
+# For ``slices.py``.
+graph_nodes = _graph_nodes
+outer_object = _outer_object
+busy = _busy

@@ -64,6 +64,7 @@ from flax.nnx.sow.nnx import state as state_lib
 from flax.nnx.sow.capturing import stage_and_collect
 from flax.nnx.sow.nnx.calls import functional_graph_call
 from flax.nnx.sow.nnx import scope as scope_lib
+from flax.nnx.sow.nnx import slices
 from flax.nnx.sow.nnx.scope import LOCAL
 from flax.nnx.sow.nnx.scope import Path
 from flax.nnx.sow.nnx.scope import Scope
@@ -98,10 +99,61 @@ class PerturbationInit:
 
 
 _ZEROS = '__perturbation_init__'
+# A reduced sow by a module an NNX transform slices comes back as one entry,
+# stacked per slice, under ``(_SLICED, *name)`` (``slices.py``).
+_SLICED = '__sliced__'
 
 
 def _zeros_name(full: Path) -> Path:
   return (_ZEROS, *full)
+
+
+def _last(acc, value):
+  del acc
+  return value
+
+
+def _slicing(self, scope, variable_type, name, what: str) -> list:
+  """``slices.slicing_frames``, raising naming the sow where it cannot
+  tell whether a transform slices the module."""
+  try:
+    return slices.slicing_frames(self, variable_type, scope)
+  except slices.Undecided as e:
+    raise ValueError(
+        f'{_where(self, variable_type, name, what)}: {e}. Flax keeps this'
+        ' value in the module state, one per slice where the transform'
+        ' slices the module; pass the module with in_axes=0 (all of its'
+        ' state sliced) or None/nnx.Carry (none of it), or sow without'
+        ' reduce_fn/init_fn and init= (a plain sow is stacked either way).'
+    ) from None
+
+
+def _reduced_sow(scope, frames, value, full, tag, reduce_fn, init_fn, fixed):
+  """A reduced sow: folded per slice of the innermost transform that slices
+  the module (``frames``), else one accumulator in the capture."""
+  if not frames:
+    sow_site(value, full, tag, reduce_fn, init_fn, fixed_type=fixed)
+    return
+  outer = (_SLICED, *full) if scope.kind == 'nnx' else full
+  sow_site(
+      value,
+      slices.local_name(outer, tag),
+      frames[-1].tag,
+      reduce_fn,
+      init_fn,
+      fixed_type=fixed,
+  )
+
+
+def _state_sow(scope, frames, value, full, tag) -> None:
+  """Sows ``value`` as the perturbation state Flax keeps for ``full``: one
+  value (the last one sown), per slice where a transform slices the module.
+  """
+  structs = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), value
+  )
+  zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), structs)
+  _reduced_sow(scope, frames, value, full, tag, _last, zeros, True)
 
 
 def _is_array_tree(value) -> bool:
@@ -373,16 +425,20 @@ def module_sow(
       scope.prefix[(full, variable_type)] = held
     _to_core(where, lambda: _core_sow(value, name=full, tag=variable_type))
     return accepted
+  frames = _slicing(self, scope, variable_type, name, 'sow')
+  if has_init:
+    held = slices.init_row(frames, (full, variable_type), init[1])
   if held is not _NOTHING:
     if not has_init and not scope.at_top():
       scope.forget_traces()  # this trace holds ``held`` as a constant
     init_fn = lambda: held  # pylint: disable=unnecessary-lambda
   # A reduced sow, folded as Flax folds it: where no loop or branch carries
-  # the accumulator, reduce_fn may change its type (e.g. a tuple that grows).
+  # the accumulator, reduce_fn may change its type (e.g. a tuple that grows);
+  # per slice where an NNX transform slices the module (slices.py).
   _to_core(
       where,
-      lambda: sow_site(
-          value, full, variable_type, reduce_fn, init_fn, fixed_type=False
+      lambda: _reduced_sow(
+          scope, frames, value, full, variable_type, reduce_fn, init_fn, False
       ),
   )
   return accepted
@@ -414,20 +470,22 @@ def module_perturb(self, name: str, value, variable_type=nnx.Perturbation):
   scope, path, accepted = located
   full = (*path, name)
   init = scope.init.get(full)
+  tag = PerturbationInit(variable_type)
   if init is not None and init[0] is variable_type:
+    frames = _slicing(self, scope, variable_type, name, 'perturb')
+    # Flax slices the init= value like the module's state.
+    row = slices.init_row(frames, (full, variable_type), init[1])
     if accepted:
-      _core_sow(
-          init[1], name=_zeros_name(full), tag=PerturbationInit(variable_type)
-      )
-    return jax.tree.map(operator.add, init[1], value)
+      _state_sow(scope, frames, row, _zeros_name(full), tag)
+    return jax.tree.map(operator.add, row, value)
   if accepted and scope.kind == 'nnx':
     # nnx.capture returns zeros for a perturbation nothing differentiates
-    # (Flax's step 1); a functional capture has no such entry.
-    _core_sow(
-        jax.tree.map(jnp.zeros_like, value),
-        name=_zeros_name(full),
-        tag=PerturbationInit(variable_type),
-    )
+    # (Flax's step 1), shaped like the module's state: one value, per slice
+    # where a transform slices the module; a functional capture has no such
+    # entry.
+    frames = _slicing(self, scope, variable_type, name, 'perturb')
+    zeros = jax.tree.map(jnp.zeros_like, value)
+    _state_sow(scope, frames, zeros, _zeros_name(full), tag)
   return _core_perturb(value, name=full, tag=variable_type)
 
 
@@ -516,6 +574,20 @@ def _sum_entries(entries: tuple):
     return entries
 
 
+def _stacked(name: Path, entries: tuple, variable_type):
+  """The one entry of the accumulators of a sliced module, stacked."""
+  if len(entries) == 1:
+    return entries[0]
+  full = name[1:] if name[0] == _ZEROS else name
+  raise ValueError(
+      f'Module.sow({variable_type.__name__}, {full[-1]!r}) (named'
+      f' {full!r}): a module that an nnx.scan or nnx.vmap slices reduced it in'
+      f' {len(entries)} runs of the transform. Flax keeps one accumulator'
+      ' per slice across them; here each run starts its own. Sow under a'
+      ' name per call, or reduce the values yourself.'
+  )
+
+
 def _build_state(collected, variable_type, held: dict):
   """The State of one Variable type, from its own capture's ``collected``.
 
@@ -527,10 +599,12 @@ def _build_state(collected, variable_type, held: dict):
   """
   flat: dict[Path, tp.Any] = {}
   for name, value in collected.items():
+    if isinstance(name, tuple) and name[0] == _SLICED:
+      name, value = name[1:], _stacked(name[1:], value, variable_type)
     if isinstance(name, tuple) and name[0] == _ZEROS:
       full = name[1:]
-      if full not in collected and value:
-        flat[full] = value[0]
+      if full not in collected:
+        flat[full] = value
     elif name in collected.cotangents:
       flat[name] = _sum_entries(value)
     else:

@@ -376,7 +376,7 @@ def source(spec: Spec) -> str:
       label="    _ = self.label()\n" if spec.label else '',
       sows='\n    '.join(SOWS[s] for s in spec.sows),
       init=init,
-      call=rng.choice(sorted(CALLS)),
+      call=call,
       root_sow=(
           "    self.sow(nnx.Intermediate, 'out', y)\n" if spec.root_sow else ''
       ),

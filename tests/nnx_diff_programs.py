@@ -286,6 +286,7 @@ TARGETED = (
     Spec('single', 'direct', ('reduced_pyint',), 'model', 'intermediate'),
     Spec('scan_broadcast', 'direct', ('perturb',), 'fn', 'recipe'),
     Spec('lax_scan', 'direct', ('plain',), 'model', 'intermediate'),
+    Spec('single', 'remat', ('plain',), 'model', 'init'),
 )
 
 
@@ -461,6 +462,11 @@ def _to_pure(value: tp.Any, path: str, jax, nnx, np) -> tp.Any:
     return tuple(items) if isinstance(value, tuple) else items
   if isinstance(value, jax.Array):
     return np.asarray(value)
+  if isinstance(value, (int, float)) and hasattr(value, 'aval'):
+    # JAX's TypedInt/TypedFloat: a jitted function's literal output, a
+    # weakly typed JAX scalar (Flax returns one where an nnx.remat body's
+    # fold is constant), not a Python number a user sowed.
+    return np.asarray(value, dtype=value.dtype)
   if value is None or isinstance(value, (bool, int, float, str, np.ndarray,
                                          np.generic)):
     return value

@@ -54,7 +54,9 @@ from flax.nnx.sow.sites import sow_sites
 from flax.nnx.sow.capturing import stage
 from flax.nnx.sow.sites import where
 from flax.nnx.sow.collect import run_with_call_hooks
+from flax.nnx.sow.primitive import DERIVATIVE_KINDS
 from flax.nnx.sow.primitive import Intervening
+from flax.nnx.sow.primitive import JVP_MARKER
 from flax.nnx.sow.primitive import KEPT
 from flax.nnx.sow.primitive import Name
 from flax.nnx.sow.primitive import sow_p
@@ -125,10 +127,18 @@ class Replacements:
   # -- which sows are replaced ---------------------------------------------
 
   def targets(self, params) -> bool:
+    name, kind = params['name'], params['kind']
     return (
         not params['remat_copy']
-        and params['name'] in self.values
-        and params['kind'] in _REPLACEABLE_KINDS
+        and name in self.values
+        and (
+            kind in _REPLACEABLE_KINDS
+            # A derivative marker stands for a callable's derivative.
+            or (
+                kind in DERIVATIVE_KINDS
+                and not isinstance(self.values[name], Entries)
+            )
+        )
         # By tag only: the kinds are checked above (a ``'kept'`` sow, which
         # no capture accepts, is replaced here).
         and accepts(
@@ -442,6 +452,10 @@ class Injector:
 
   def on_sow(self, eqn: _jax.JaxprEqn, invals: list[tp.Any]) -> list[tp.Any]:
     p = eqn.params
+    if p['kind'] in DERIVATIVE_KINDS:
+      if not self.targets(p):  # another intervene's (effect-free as it is)
+        return _jax.bind_equation(eqn, invals)
+      return self.on_marker(eqn, invals)
     rebind = eqn.replace(params=dict(p, effect=staging_active()))
     if not self.targets(p):
       return _jax.bind_equation(rebind, invals)
@@ -475,6 +489,35 @@ class Injector:
     # did (a constant steering vector added per shard, say).
     new_leaves = [_jax.vary_like(x, a) for x, a in zip(new_leaves, leaves)]
     return _jax.bind_equation(rebind, [*new_leaves, *closure])
+
+
+  def on_marker(self, eqn: _jax.JaxprEqn, invals: list[tp.Any]) -> list:
+    """A derivative marker: the tangent (``'jvp'``) or cotangent (``'vjp'``)
+    of this call's callable at the sown value, which it applies exactly as
+    :meth:`on_sow` does (vmapped over the sow's ``batch_dims``)."""
+    p = eqn.params
+    fn = self.replacements.values[p['name']]
+    n = len(invals) - p['n_closure']
+    linear = jax.tree_util.tree_unflatten(p['treedef'], invals[:n])
+    value = jax.tree_util.tree_unflatten(p['treedef'], invals[n:])
+    fn_applied = functools.partial(_apply, fn, batch_dims=p['batch_dims'])
+    if p['kind'] == JVP_MARKER:
+      out = jax.jvp(fn_applied, (value,), (linear,))[1]
+    else:
+      out = jax.vjp(fn_applied, value)[1](linear)[0]
+    out_leaves, out_treedef = jax.tree_util.tree_flatten(out)
+    if out_treedef != p['treedef']:
+      raise ValueError(
+          f'intervene: sow {p["name"]!r}{where(eqn)}: values[{p["name"]!r}]'
+          f'(value) is {_describe(fn_applied(value))}, but the sown value is'
+          f' {_describe(value)}. A replacement must have the structure,'
+          ' shape and dtype of the value it replaces.'
+      )
+    # Typed as the marker's own results, as ``on_sow`` types a replacement.
+    return [
+        _jax.vary_like(strong(x) if not _jax.typeof(a).weak_type else x, a)
+        for x, a in zip(out_leaves, invals[:n])
+    ]
 
 
 def cached_rewrite(closed, key, fns, build, token):

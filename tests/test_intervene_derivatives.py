@@ -28,6 +28,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import jax
 import jax.numpy as jnp
+from jax.experimental import jet
 import numpy as np
 
 from flax.nnx.sow import capture
@@ -342,6 +343,18 @@ class InnerDerivativeTest(parameterized.TestCase):
     expected = jax.hessian(_sum(lambda y: h(y, None, FN)))(X)
     outside = jax.hessian(intervene(_sum(lambda y: h(y, None, 'sow')), {'a': FN}))
     assert_close(outside(X), expected)
+
+  def test_jet_inside(self):
+    def g(mode):
+      fun = lambda y: h(y, C, mode)
+      ones = jnp.ones(3, jnp.float32)
+      return lambda z: jet.jet(fun, (z,), ((ones, 0.5 * ones),))
+
+    assert_close(
+        intervene(g('sow'), {'a': (C,)})(X), g('const')(jnp.asarray(X))
+    )
+    with self.assertRaisesRegex(NotImplementedError, "sow 'a'.*jet outside"):
+      intervene(g('sow'), {'a': FN})(X)
 
   def test_jacfwd_with_a_callable_keeps_the_primal_unbatched(self):
     # The callable applies to the unbatched value; a capture around still

@@ -477,7 +477,18 @@ def _sow_jet(primals, series, **params):
   # ``jax.experimental.jet``: the sow marks the primal (so a capture around
   # the jet collects it); the Taylor series pass through, as tangents do.
   out = sow_p.bind(*primals, **params)
-  return out, list(series[: len(out)])
+  key = replacing(params) if params['effect'] else None
+  if key is None and params['kind'] not in DERIVATIVE_KINDS:
+    return out, list(series[: len(out)])
+  if key is not None and params['name'] in key.arrays:
+    # A constant replacement: every term of its series is zero.
+    return out, [[jnp.zeros_like(x)] * len(s) for x, s in zip(out, series)]
+  raise NotImplementedError(
+      f'intervene: sow {params["name"]!r} is replaced by a callable inside'
+      ' jax.experimental.jet, which intervene cannot differentiate there.'
+      ' Put jet outside intervene (jet(intervene(f, values), ...)), or'
+      ' replace the name by an array.'
+  )
 
 
 _jax.jet_rules[sow_p] = _sow_jet

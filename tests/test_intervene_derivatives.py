@@ -344,6 +344,20 @@ class InnerDerivativeTest(parameterized.TestCase):
     outside = jax.hessian(intervene(_sum(lambda y: h(y, None, 'sow')), {'a': FN}))
     assert_close(outside(X), expected)
 
+  def test_a_sow_left_unreplaced_with_strict_false(self):
+    # Its derivative inside was taken to be a constant's: an error, not the
+    # derivative of a program that differs from the one computed.
+    def g(z):
+      y = TRANSFORMS['grad'](lambda q: h(q, None, 'sow'))(z)
+      return TRANSFORMS['grad'](lambda q: h(q, None, 'sow'))(y)
+
+    with self.assertRaisesRegex(ValueError, "sow 'a'.*no entry left"):
+      intervene(g, {'a': (C,)}, strict=False)(X)
+    # Not differentiated inside, the second sow keeps its value.
+    g2 = lambda z: h(z, None, 'sow') + h(z * 2.0, None, 'sow')
+    expected = h(jnp.asarray(X), C, 'const') + h(jnp.asarray(X) * 2.0, None, 'sow')
+    assert_close(intervene(g2, {'a': (C,)}, strict=False)(X), expected)
+
   def test_jet_inside(self):
     def g(mode):
       fun = lambda y: h(y, C, mode)

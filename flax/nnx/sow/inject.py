@@ -465,6 +465,14 @@ class Injector:
     value = jax.tree_util.tree_unflatten(p['treedef'], leaves)
     found = self.replacements.replacement(name, value, p['batch_dims'])
     if found is None:  # past the last entry, with strict=False
+      if p.get('zero_tangent'):
+        raise ValueError(
+            f'intervene: sow {name!r}{where(eqn)} is differentiated inside'
+            f' the intervened function, and values[{name!r}] (strict=False)'
+            ' has no entry left for it, so it keeps its value, while its'
+            ' derivative was taken to be that of a constant replacement.'
+            ' Pass an entry for every sow of the name, or a callable.'
+        )
       return _jax.bind_equation(rebind, invals)
     new, label = found
     new_leaves, new_treedef = jax.tree_util.tree_flatten(new)

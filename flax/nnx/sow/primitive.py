@@ -99,6 +99,9 @@ sow_p.multiple_results = True
 #   grows with every ``perturb`` call traced (``api.py``), so that a
 #   capture can tell the backward passes of one name apart and put their
 #   cotangents in call order (``Collector.result``).
+# * ``zero_tangent`` (only on a sow an ``intervene`` replaces by arrays, once
+#   differentiated inside its function): its tangent was taken to be zero,
+#   so the intervene must replace it (``Injector.on_sow``).
 # * ``remat_copy``: the copy of a sow that partial evaluation leaves in a
 #   rematerialised (recomputed) program: an identity without effect that no
 #   capture collects, so a sow inside ``jax.checkpoint`` is collected once
@@ -319,9 +322,13 @@ def _sow_jvp(primals, tangents, **params):
   # ``perturb_tangent_p``, whose transpose sows the cotangent.
   if params['kind'] in DERIVATIVE_KINDS:
     return _marker_jvp(primals, tangents, params)
-  out = sow_p.bind(*primals, **params)
   tangents = list(tangents[: len(tangents) - params['n_closure']])
   key = replacing(params) if params['effect'] else None
+  if key is not None and params['name'] in key.arrays:
+    # Its tangent is taken to be zero: the intervene checks that an entry
+    # does replace it (``zero_tangent``, see ``inject.py``).
+    params = dict(params, zero_tangent=True)
+  out = sow_p.bind(*primals, **params)
   if key is not None:
     tangents = _replaced_tangents(key, primals[: len(out)], tangents, params)
   if params['kind'] != 'perturb' or all(type(t) is _jax.Zero for t in tangents):

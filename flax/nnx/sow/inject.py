@@ -25,6 +25,11 @@ rewritten ``jit`` takes the entries its sows consume as arguments, a ``scan``
 takes the stacked entries of its sites as extra ``xs`` (entry ``i`` of a loop
 site replaces iteration ``i``), a ``cond`` passes them to every branch. A
 callable replacement is applied in place, wherever the sow is.
+A derivative taken inside ``f`` is traced while ``f`` is staged: the JVP
+rule of a sow replaced here gives zero tangents for arrays, and for a
+callable a tangent marker (transposed: a cotangent marker, see
+``primitive.py``) that :meth:`Injector.on_marker` resolves with the callable
+of this call.
 
 The layout of ``values[name]`` is the layout ``capture`` returns, so
 ``intervene(f, collected)`` patches exactly what a capture of another run
@@ -696,16 +701,21 @@ def intervene(
   Returns:
     ``g`` with ``g(*args, **kwargs)`` returning what ``f`` returns.
     Differentiable with respect to ``values``: the gradient at a replaced
-    entry equals the cotangent ``perturb`` collects at that sow.
+    entry equals the cotangent ``perturb`` collects at that sow. A
+    derivative taken inside ``f`` is that of the replaced program (an array
+    replacement is a constant; a callable contributes its derivative).
 
   Raises:
     ValueError: a replacement whose structure, shape or dtype differs from
       the sown value; a reduced name; with ``strict``, an unknown name or a
       wrong number of entries; an array replacement for a sow inside
-      ``lax.while_loop`` (pass a callable).
+      ``lax.while_loop`` (pass a callable); with ``strict=False``, a sow
+      differentiated inside ``f`` that its entries do not reach.
     TypeError: ``values`` or one of its entries of the wrong type.
     NotImplementedError: a replaced sow inside a construct with no
-      intervene rule (e.g. ``shard_map``).
+      intervene rule (e.g. ``shard_map``); a second derivative, or
+      ``jax.experimental.jet``, inside ``f`` through a callable
+      replacement.
   """
   if not callable(f):
     raise TypeError(

@@ -18,8 +18,9 @@
 pytree structure, reduction), its abstract evaluation (the operands' avals plus
 ``SowEffect``, so dead-code elimination keeps a sow whose result is unused),
 and its rules under JAX's transforms: identity lowering, a JVP that sows the
-primal and passes the tangent through, and a batching rule that moves the
-mapped axis first. Collecting what was sown is ``capture``'s job
+primal and passes the tangent through (except for a sow an ``intervene``
+replaces while it stages: zero tangents, or the derivative markers its
+rewrite resolves), and a batching rule that moves the mapped axis first. Collecting what was sown is ``capture``'s job
 (``capturing.py``), not the primitive's.
 """
 

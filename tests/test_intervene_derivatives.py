@@ -303,6 +303,51 @@ class InnerDerivativeTest(parameterized.TestCase):
     other = lambda z: capture(g, tags=('other',))(z)[0]
     assert_close(intervene(other, {'a': values})(X), expected)
 
+  @parameterized.product(
+      rep=('const', 'fn'), remat=(False, True), tr=('grad', 'linearize')
+  )
+  def test_loop_invariant_sow_under_a_derivative_around_a_scan(
+      self, rep, remat, tr
+  ):
+    # Scan's partial evaluation hoists loop-invariant work out of the loop;
+    # what consumes a replaced sow must stay in it, to read each
+    # iteration's replacement.
+    def run(mode):
+      def f(y):
+        def body(c, r):
+          inner = lambda q: h(q, r, mode)
+          inner = jax.checkpoint(inner) if remat else inner
+          return c * 0.5, inner(y) * c
+
+        return jax.lax.scan(body, 1.0, CS)[1].sum(0)
+
+      return TRANSFORMS[tr](f)
+
+    values = (CS,) if rep == 'const' else FN
+    expected = run('const' if rep == 'const' else FN)(jnp.asarray(X))
+    g = intervene(run('sow'), {'a': values})
+    assert_close(g(X), expected)
+    assert_close(jax.jit(g)(X), expected)
+
+  def test_transforms_around_an_intervene_with_a_derivative_inside(self):
+    for values, mode in (((C,), 'const'), (FN, FN)):
+      inner = TRANSFORMS['grad'](lambda y: h(y, C, 'sow'))
+      by_hand = TRANSFORMS['grad'](lambda y: h(y, C, mode))
+      g = intervene(inner, {'a': values})
+      xs = np.stack([X, X * 2.0])
+      assert_close(jax.vmap(g)(xs), jax.vmap(by_hand)(xs))
+      assert_close(
+          jax.grad(lambda x: g(x).sum())(X),
+          jax.grad(lambda x: by_hand(x).sum())(X),
+      )
+    # With respect to the replacement, through the derivative inside.
+    assert_close(
+        jax.grad(lambda c: intervene(inner, {'a': (c,)})(X).sum())(C),
+        jax.grad(
+            lambda c: TRANSFORMS['grad'](lambda y: h(y, c, 'const'))(X).sum()
+        )(C),
+    )
+
   def test_while_loop_with_a_callable(self):
     def run(mode):
       def g(z, n):

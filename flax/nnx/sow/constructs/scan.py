@@ -60,6 +60,7 @@ from flax.nnx.sow.control import control_rules
 from flax.nnx.sow.inject import intervene_rules
 from flax.nnx.sow.inject import one_body
 from flax.nnx.sow.primitive import intervening
+from flax.nnx.sow.primitive import replacing
 from flax.nnx.sow.primitive import sow_effect
 from flax.nnx.sow.primitive import sow_p
 from flax.nnx.sow.primitive import staging_captures
@@ -233,10 +234,14 @@ def _sow_partial_eval(trace, *tracers, **params):
   ):
     # Stage the sow in the loop body (kept by its effect), reading the
     # operands as constants the hoisting passes in; consumers keep the
-    # known operands, so what they compute may still be hoisted.
-    trace.default_process_primitive(
+    # known operands, so what they compute may still be hoisted. Not so
+    # for a sow an intervene replaces: its consumers read its result (the
+    # replacement, per iteration), so they stay in the loop too.
+    outs = trace.default_process_primitive(
         sow_p, [trace.instantiate_const(t) for t in tracers], params
     )
+    if replacing(params) is not None:
+      return outs
     return list(tracers[: len(tracers) - params['n_closure']])
   return trace.default_process_primitive(sow_p, tracers, params)
 

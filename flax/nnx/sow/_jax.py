@@ -148,6 +148,7 @@ def partial_eval_jaxpr_nounits(*args, **kwargs):
 primitive_jvps = ad.primitive_jvps
 primitive_transposes = ad.primitive_transposes
 instantiate_zeros = ad.instantiate_zeros
+is_undefined_primal = ad.is_undefined_primal
 fancy_primitive_batchers = batching.fancy_primitive_batchers
 jet_rules = jet_lib.jet_rules  # jax.experimental.jet's rule registry
 register_lowering = mlir.register_lowering

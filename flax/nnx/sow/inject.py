@@ -25,6 +25,11 @@ rewritten ``jit`` takes the entries its sows consume as arguments, a ``scan``
 takes the stacked entries of its sites as extra ``xs`` (entry ``i`` of a loop
 site replaces iteration ``i``), a ``cond`` passes them to every branch. A
 callable replacement is applied in place, wherever the sow is.
+A derivative taken inside ``f`` is traced while ``f`` is staged: the JVP
+rule of a sow replaced here gives zero tangents for arrays, and for a
+callable a tangent marker (transposed: a cotangent marker, see
+``primitive.py``) that :meth:`Injector.on_marker` resolves with the callable
+of this call.
 
 The layout of ``values[name]`` is the layout ``capture`` returns, so
 ``intervene(f, collected)`` patches exactly what a capture of another run
@@ -55,7 +60,9 @@ from flax.nnx.sow.sites import sow_sites
 from flax.nnx.sow.capturing import stage
 from flax.nnx.sow.sites import where
 from flax.nnx.sow.collect import run_with_call_hooks
+from flax.nnx.sow.primitive import DERIVATIVE_KINDS
 from flax.nnx.sow.primitive import Intervening
+from flax.nnx.sow.primitive import JVP_MARKER
 from flax.nnx.sow.primitive import KEPT
 from flax.nnx.sow.primitive import Name
 from flax.nnx.sow.primitive import sow_p
@@ -144,10 +151,18 @@ class Replacements:
   # -- which sows are replaced ---------------------------------------------
 
   def targets(self, params) -> bool:
+    name, kind = params['name'], params['kind']
     return (
         not params['remat_copy']
-        and params['name'] in self.values
-        and params['kind'] in _REPLACEABLE_KINDS
+        and name in self.values
+        and (
+            kind in _REPLACEABLE_KINDS
+            # A derivative marker stands for a callable's derivative.
+            or (
+                kind in DERIVATIVE_KINDS
+                and not isinstance(self.values[name], Entries)
+            )
+        )
         # By tag only: the kinds are checked above (a ``'kept'`` sow, which
         # no capture accepts, is replaced here).
         and accepts(
@@ -473,6 +488,10 @@ class Injector:
 
   def on_sow(self, eqn: _jax.JaxprEqn, invals: list[tp.Any]) -> list[tp.Any]:
     p = eqn.params
+    if p['kind'] in DERIVATIVE_KINDS:
+      if not self.targets(p):  # another intervene's (effect-free as it is)
+        return _jax.bind_equation(eqn, invals)
+      return self.on_marker(eqn, invals)
     rebind = eqn.replace(params=dict(p, effect=staging_active()))
     if not self.targets(p):
       return _jax.bind_equation(rebind, invals)
@@ -482,6 +501,14 @@ class Injector:
     value = jax.tree_util.tree_unflatten(p['treedef'], leaves)
     found = self.replacements.replacement(name, value, p['batch_dims'])
     if found is None:  # past the last entry, with strict=False
+      if p.get('zero_tangent'):
+        raise ValueError(
+            f'intervene: sow {name!r}{where(eqn)} is differentiated inside'
+            f' the intervened function, and values[{name!r}] (strict=False)'
+            ' has no entry left for it, so it keeps its value, while its'
+            ' derivative was taken to be that of a constant replacement.'
+            ' Pass an entry for every sow of the name, or a callable.'
+        )
       return _jax.bind_equation(rebind, invals)
     new, label = found
     new_leaves, new_treedef = as_replacement_leaves(new)
@@ -505,6 +532,35 @@ class Injector:
     # did (a constant steering vector added per shard, say).
     new_leaves = [_jax.vary_like(x, a) for x, a in zip(new_leaves, leaves)]
     return _jax.bind_equation(rebind, [*new_leaves, *closure])
+
+
+  def on_marker(self, eqn: _jax.JaxprEqn, invals: list[tp.Any]) -> list:
+    """A derivative marker: the tangent (``'jvp'``) or cotangent (``'vjp'``)
+    of this call's callable at the sown value, which it applies exactly as
+    :meth:`on_sow` does (vmapped over the sow's ``batch_dims``)."""
+    p = eqn.params
+    fn = self.replacements.values[p['name']]
+    n = len(invals) - p['n_closure']
+    linear = jax.tree_util.tree_unflatten(p['treedef'], invals[:n])
+    value = jax.tree_util.tree_unflatten(p['treedef'], invals[n:])
+    fn_applied = functools.partial(_apply, fn, batch_dims=p['batch_dims'])
+    if p['kind'] == JVP_MARKER:
+      out = jax.jvp(fn_applied, (value,), (linear,))[1]
+    else:
+      out = jax.vjp(fn_applied, value)[1](linear)[0]
+    out_leaves, out_treedef = jax.tree_util.tree_flatten(out)
+    if out_treedef != p['treedef']:
+      raise ValueError(
+          f'intervene: sow {p["name"]!r}{where(eqn)}: values[{p["name"]!r}]'
+          f'(value) is {_describe(fn_applied(value))}, but the sown value is'
+          f' {_describe(value)}. A replacement must have the structure,'
+          ' shape and dtype of the value it replaces.'
+      )
+    # Typed as the marker's own results, as ``on_sow`` types a replacement.
+    return [
+        _jax.vary_like(strong(x) if not _jax.typeof(a).weak_type else x, a)
+        for x, a in zip(out_leaves, invals[:n])
+    ]
 
 
 def cached_rewrite(closed, key, fns, build, token):
@@ -689,17 +745,23 @@ def intervene(
   Returns:
     ``g`` with ``g(*args, **kwargs)`` returning what ``f`` returns.
     Differentiable with respect to ``values``: the gradient at a replaced
-    entry equals the cotangent ``perturb`` collects at that sow.
+    entry equals the cotangent ``perturb`` collects at that sow. A
+    derivative taken inside ``f`` is that of the replaced program (an array
+    replacement is a constant; a callable contributes its derivative).
 
   Raises:
     ValueError: a replacement whose structure, shape or dtype (after that
       conversion) differs from the sown value; a reduced name; with
       ``strict``, an unknown name or a wrong number of entries; an array
-      replacement for a sow inside ``lax.while_loop`` (pass a callable).
+      replacement for a sow inside ``lax.while_loop`` (pass a callable);
+      with ``strict=False``, a sow differentiated inside ``f`` that its
+      entries do not reach.
     TypeError: ``values`` or one of its entries of the wrong type, or
       ``names`` with a mapping of values.
     NotImplementedError: a replaced sow inside a construct with no
-      intervene rule (e.g. ``shard_map``).
+      intervene rule (e.g. ``shard_map``); a second derivative, or
+      ``jax.experimental.jet``, inside ``f`` through a callable
+      replacement.
   """
   if not callable(f):
     raise TypeError(

@@ -18,8 +18,9 @@
 pytree structure, reduction), its abstract evaluation (the operands' avals plus
 ``SowEffect``, so dead-code elimination keeps a sow whose result is unused),
 and its rules under JAX's transforms: identity lowering, a JVP that sows the
-primal and passes the tangent through, and a batching rule that moves the
-mapped axis first. Collecting what was sown is ``capture``'s job
+primal and passes the tangent through (except for a sow an ``intervene``
+replaces while it stages: zero tangents, or the derivative markers its
+rewrite resolves), and a batching rule that moves the mapped axis first. Collecting what was sown is ``capture``'s job
 (``capturing.py``), not the primitive's.
 """
 
@@ -81,7 +82,17 @@ sow_p.multiple_results = True
 #   so that ``intervene`` replaces it there, and no capture collects it; its
 #   result is hoisted out of the construct and sown again after it, mapped
 #   axis first, as ``'hoisted'``, which a capture collects as a value and no
-#   ``intervene`` replaces (it did, at the kept sow).
+#   ``intervene`` replaces (it did, at the kept sow). ``'jvp'`` and
+#   ``'vjp'``, the *derivative markers*, for a derivative taken inside a
+#   function that ``intervene`` stages, of a sow it replaces by a callable
+#   (see ``_replaced_tangents``): a ``'jvp'`` marker takes ``[*tangents,
+#   *primals]`` (the primals are the closure, ``n_closure`` of them) and
+#   gives the tangent of the replacement at the sown value, linear in the
+#   tangents; its transpose, the ``'vjp'`` marker, takes ``[*cotangents,
+#   *primals]`` and gives the cotangent of the sown value. Both are
+#   effect-free identities that no capture collects; intervene's rewrite
+#   resolves them with the callable of this call (``inject.py``), never the
+#   JVP rule, so a ``jax.jit`` traced once serves every callable.
 # * ``batch_dims``: the leading axes that ``jax.vmap`` added to the value. A
 #   capture folds a reduced sow's ``reduce_fn`` over them, so under vmap every
 #   example is reduced into the one accumulator, as if ``f`` had run once per
@@ -100,6 +111,9 @@ sow_p.multiple_results = True
 #   grows with every ``perturb`` call traced (``api.py``), so that a
 #   capture can tell the backward passes of one name apart and put their
 #   cotangents in call order (``Collector.result``).
+# * ``zero_tangent`` (only on a sow an ``intervene`` replaces by arrays, once
+#   differentiated inside its function): its tangent was taken to be zero,
+#   so the intervene must replace it (``Injector.on_sow``).
 # * ``remat_copy``: the copy of a sow that partial evaluation leaves in a
 #   rematerialised (recomputed) program: an identity without effect that no
 #   capture collects, so a sow inside ``jax.checkpoint`` is collected once
@@ -110,6 +124,9 @@ sow_p.multiple_results = True
 #   copy; no jaxpr outside that rule holds it.
 
 MARKER_KINDS = ('perturb', 'order')
+JVP_MARKER = 'jvp'  # a ``kind``, see above
+VJP_MARKER = 'vjp'  # a ``kind``, see above
+DERIVATIVE_KINDS = (JVP_MARKER, VJP_MARKER)
 KEPT = 'kept'  # a ``kind``, see above
 HOISTED = 'hoisted'  # a ``kind``, see above
 VALUE_KINDS = ('value', HOISTED)  # what a capture collects as sown values
@@ -171,6 +188,83 @@ def intervening() -> Intervening | None:
   """
   if _STAGING.value and isinstance(_STAGING.value[-1], Intervening):
     return _STAGING.value[-1]
+  return None
+
+
+PLAIN_SOWS = object()
+"""A ``Collector.accepts_key`` that takes every plain sow, whatever its tag.
+
+Used to hoist plain sows out of a construct (``constructs/batched.py``).
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+  """The ``accepts_key`` of a capture that selects names (``names=``).
+
+  ``tags`` is ``None`` (every tag) or a frozenset; ``names`` a frozenset of
+  names or a callable ``name -> bool``. A capture without ``names`` keeps its
+  ``tags`` (``None`` or a frozenset) as its key.
+  """
+
+  tags: frozenset | None
+  names: tp.Any
+
+  def accepts_name(self, name: Name) -> bool:
+    if isinstance(self.names, frozenset):
+      return name in self.names
+    return bool(self.names(name))
+
+
+def tags_of(accepts_key) -> frozenset | None:
+  """The tags a capture's ``accepts_key`` takes (``None``: every tag)."""
+  if isinstance(accepts_key, Selection):
+    return accepts_key.tags
+  return accepts_key
+
+
+def accepts(
+    accepts_key: frozenset | Selection | None | object,
+    tag: tp.Hashable,
+    reduction: Reduction | None,
+    kind: str = 'value',
+    name: Name | None = None,
+) -> bool:
+  """Whether a capture with ``accepts_key`` collects a sow of ``tag`` and
+  ``name``."""
+  if kind == KEPT or kind in DERIVATIVE_KINDS:
+    # Left in place for ``intervene``: a kept sow's value is collected from
+    # the ``'hoisted'`` copy (``constructs/batched.py``); a derivative
+    # marker is a tangent or cotangent, resolved by the intervene.
+    return False
+  if accepts_key is PLAIN_SOWS:
+    # Hoisting moves values; markers stay where they are (a perturb marker
+    # must meet the JVP there).
+    return reduction is None and kind not in MARKER_KINDS
+  if accepts_key is None:
+    return True
+  if isinstance(accepts_key, Selection):
+    return (
+        accepts_key.tags is None or tag in accepts_key.tags
+    ) and accepts_key.accepts_name(name)
+  return tag in accepts_key
+
+
+def replacing(params: dict[str, tp.Any]) -> Intervening | None:
+  """The ``intervene`` whose staging replaces the sow with ``params``.
+
+  The innermost staging transform that takes the sow decides: a capture
+  that accepts it collects it (the intervenes around never see it), an
+  intervene that replaces it replaces it; the others leave it to the next.
+  """
+  for key in reversed(_STAGING.value):
+    if isinstance(key, Intervening):
+      if key.replaces(params):
+        return key
+    elif accepts(
+        key, params['tag'], params['reduction'], params['kind'], params['name']
+    ):
+      return None
   return None
 
 
@@ -237,12 +331,22 @@ _jax.register_lowering(sow_p, _sow_lowering)
 
 def _sow_jvp(primals, tangents, **params):
   # A sow marks the primal value; tangents pass through untouched (so
-  # ``jax.grad`` collects primals). A ``perturb`` marker routes its tangent
-  # through ``perturb_tangent_p``, whose transpose sows the cotangent.
+  # ``jax.grad`` collects primals), unless an ``intervene`` staging now
+  # replaces the sow. A ``perturb`` marker routes its tangent through
+  # ``perturb_tangent_p``, whose transpose sows the cotangent.
+  if params['kind'] in DERIVATIVE_KINDS:
+    return _marker_jvp(primals, tangents, params)
+  tangents = list(tangents[: len(tangents) - params['n_closure']])
+  key = replacing(params) if params['effect'] else None
+  if key is not None and params['name'] in key.arrays:
+    # Its tangent is taken to be zero: the intervene checks that an entry
+    # does replace it (``zero_tangent``, see ``inject.py``).
+    params = dict(params, zero_tangent=True)
   out = sow_p.bind(*primals, **params)
-  tangents = tangents[: len(tangents) - params['n_closure']]
+  if key is not None:
+    tangents = _replaced_tangents(key, primals[: len(out)], tangents, params)
   if params['kind'] != 'perturb' or all(type(t) is _jax.Zero for t in tangents):
-    return out, list(tangents)
+    return out, tangents
   tangents = [_jax.instantiate_zeros(t) for t in tangents]
   return out, perturb_tangent_p.bind(
       *tangents,
@@ -253,20 +357,101 @@ def _sow_jvp(primals, tangents, **params):
   )
 
 
+def _replaced_tangents(key: Intervening, primals, tangents, params) -> list:
+  """The tangents of a sow that the ``intervene`` of ``key`` replaces.
+
+  An array replacement is a constant: zero tangents. A callable's tangent
+  is a ``'jvp'`` marker, resolved by the intervene's rewrite with the
+  callable of its call (not traced here, where a ``jax.jit`` inside would
+  cache it for the next callable).
+  """
+  if all(type(t) is _jax.Zero for t in tangents):
+    return tangents
+  if params['name'] in key.arrays:
+    return [_jax.Zero(_jax.typeof(x).to_tangent_aval()) for x in primals]
+  return bind_marker(
+      JVP_MARKER, [_jax.instantiate_zeros(t) for t in tangents], primals, params
+  )
+
+
+def bind_marker(kind: str, linear, primals, params) -> list:
+  """Binds a derivative marker of ``kind`` for the sow with ``params``."""
+  return sow_p.bind(
+      *linear,
+      *primals,
+      name=params['name'],
+      tag=params['tag'],
+      treedef=params['treedef'],
+      reduction=None,
+      kind=kind,
+      batch_dims=params['batch_dims'],
+      n_closure=len(primals),
+      effect=False,
+      remat_copy=False,
+  )
+
+
+def _second_order_error(params) -> NotImplementedError:
+  name = params['name']
+  return NotImplementedError(
+      f'intervene: sow {name!r} is replaced by a callable, and a derivative'
+      ' of second order taken inside the intervened function (jax.hessian,'
+      ' jax.jvp of jax.grad, ...) differentiates the derivative of'
+      f' values[{name!r}] at the sown value, which intervene does not'
+      ' support. Put that transform outside: jax.hessian(intervene(f,'
+      ' values)) is exact; or replace the name by an array.'
+  )
+
+
+def _marker_jvp(primals, tangents, params):
+  # A marker is linear in its leading operands; its derivative with
+  # respect to the sown value (the closure) would be of second order.
+  n = len(primals) - params['n_closure']
+  if any(type(t) is not _jax.Zero for t in tangents[n:]):
+    raise _second_order_error(params)
+  out = sow_p.bind(*primals, **params)
+  linear = tangents[:n]
+  if all(type(t) is _jax.Zero for t in linear):
+    return out, list(linear)
+  linear = [_jax.instantiate_zeros(t) for t in linear]
+  return out, sow_p.bind(*linear, *primals[n:], **params)
+
+
 _jax.primitive_jvps[sow_p] = _sow_jvp
 
 
 def _sow_transpose(cts, *args, **params):
   # A sow on a tangent (e.g. in a custom_jvp rule) is the identity: the
-  # cotangent passes through and nothing is sown on it.
-  del args
-  return [*cts, *([None] * params['n_closure'])]
+  # cotangent passes through and nothing is sown on it. A derivative
+  # marker transposes to the other one, on the same primals.
+  n_closure = params['n_closure']
+  if params['kind'] not in DERIVATIVE_KINDS:
+    return [*cts, *([None] * n_closure)]
+  primals = args[len(args) - n_closure :]
+  if any(_jax.is_undefined_primal(x) for x in primals):
+    raise _second_order_error(params)
+  if all(type(ct) is _jax.Zero for ct in cts):
+    return [None] * len(args)
+  other = VJP_MARKER if params['kind'] == JVP_MARKER else JVP_MARKER
+  cts = [_jax.instantiate_zeros(ct) for ct in cts]
+  return [*bind_marker(other, cts, primals, params), *([None] * n_closure)]
 
 
 _jax.primitive_transposes[sow_p] = _sow_transpose
 
 
 def _sow_batch(axis_data, leaves, dims, **params):
+  key = intervening()
+  if (
+      key is not None
+      and params['effect']
+      and params['kind'] == 'value'
+      and params['reduction'] is None
+      and all(d is None for d in dims)
+      and key.replaces(params)
+      and params['name'] not in key.arrays
+  ):
+    return _kept_unbatched(axis_data, leaves, params)
   # The sown value gets the mapped axis first, like vmap's outputs; the
   # results keep the operands' own axes, so the sow stays an identity.
   moved = [
@@ -275,7 +460,8 @@ def _sow_batch(axis_data, leaves, dims, **params):
   params = dict(params, batch_dims=params['batch_dims'] + 1)
   outs = sow_p.bind(*moved, **params)
   n = len(outs)  # the closure is batched with the value, not returned
-  key = intervening()
+  if params['kind'] in DERIVATIVE_KINDS:
+    return outs, [0] * n  # a function of the value and the tangent
   if key is not None and params['effect'] and key.replaces(params):
     # ``intervene`` may replace the value per example: every leaf comes
     # back batched. (Only such sows: an unbatched result stays unbatched,
@@ -283,6 +469,19 @@ def _sow_batch(axis_data, leaves, dims, **params):
     return outs, [0] * n
   outs = [o if d is not None else x for o, x, d in zip(outs, leaves, dims)]
   return outs, [None if d is None else 0 for d in dims[:n]]
+
+
+def _kept_unbatched(axis_data, leaves, params):
+  # A value that does not vary over the axis, replaced by a callable: the
+  # sow stays unbatched where it is (``'kept'``, replaced there), so its
+  # result stays unbatched (``jax.jacfwd`` needs its primal so); a capture
+  # collects that result with the axis first, from a ``'hoisted'`` copy.
+  kept = sow_p.bind(*leaves, **dict(params, kind=KEPT))
+  moved = [mapped_axis_first(x, None, axis_data.size) for x in kept]
+  sow_p.bind(
+      *moved, **dict(params, kind=HOISTED, batch_dims=params['batch_dims'] + 1)
+  )
+  return kept, [None] * len(kept)
 
 
 def mapped_axis_first(x, dim: int | None, size: int):
@@ -299,7 +498,18 @@ def _sow_jet(primals, series, **params):
   # ``jax.experimental.jet``: the sow marks the primal (so a capture around
   # the jet collects it); the Taylor series pass through, as tangents do.
   out = sow_p.bind(*primals, **params)
-  return out, list(series[: len(out)])
+  key = replacing(params) if params['effect'] else None
+  if key is None and params['kind'] not in DERIVATIVE_KINDS:
+    return out, list(series[: len(out)])
+  if key is not None and params['name'] in key.arrays:
+    # A constant replacement: every term of its series is zero.
+    return out, [[jnp.zeros_like(x)] * len(s) for x, s in zip(out, series)]
+  raise NotImplementedError(
+      f'intervene: sow {params["name"]!r} is replaced by a callable inside'
+      ' jax.experimental.jet, which intervene cannot differentiate there.'
+      ' Put jet outside intervene (jet(intervene(f, values), ...)), or'
+      ' replace the name by an array.'
+  )
 
 
 _jax.jet_rules[sow_p] = _sow_jet
@@ -359,6 +569,9 @@ def _sow_partial_eval_custom(saveable, unks_in, inst_in, eqn):
   """Partial evaluation for remat: the sow runs in the known program only."""
   del saveable
   n = len(eqn.outvars)  # the sown leaves; the closure operands follow
+  if eqn.params['kind'] in DERIVATIVE_KINDS and not any(unks_in):
+    # A computation, not a collection: known, saved where needed.
+    return eqn, None, [False] * n, [False] * n, []
   if any(unks_in):
     # A sow of a value only known later is staged whole; its known inputs
     # that the staged program does not compute become residuals.
@@ -371,6 +584,10 @@ def _sow_partial_eval_custom(saveable, unks_in, inst_in, eqn):
   # Known: collect here; where the staged program recomputes the operand, it
   # recomputes the result with an effect-free copy instead of saving it.
   keep = [i for i, inst in enumerate(inst_in[:n]) if inst]
+  if eqn.params['effect'] and replacing(eqn.params) is not None:
+    # An ``intervene`` replaces it here: a recomputation would see the
+    # value before the replacement, so the replaced value is saved instead.
+    return eqn, None, [False] * n, [False] * n, []
   staged = None
   if keep:
     staged = _jax.new_jaxpr_eqn(

@@ -20,7 +20,8 @@
   the mesh axes a ``shard_map`` adds, the control axes of a ``while``/
   ``cond`` on a per-device predicate).
 * :func:`accepts` and :class:`Selection`: the tag and name filter of a
-  capture (``capture(f, tags=..., names=...)``).
+  capture (``capture(f, tags=..., names=...)``), defined next to the staging
+  keys in ``primitive.py`` (a sow's JVP asks them) and named here.
 * :func:`edit_sows` and the helpers on it: sows turned into remat copies (an
   identity no capture collects), for a second evaluation of a body whose
   sows already ran once (a rematerialised loop, a custom rule's body).
@@ -36,9 +37,11 @@ import weakref
 
 from flax.nnx.sow import _jax
 from flax.nnx.sow.primitive import HIDDEN
-from flax.nnx.sow.primitive import KEPT
-from flax.nnx.sow.primitive import MARKER_KINDS
 from flax.nnx.sow.primitive import Name
+from flax.nnx.sow.primitive import PLAIN_SOWS  # pylint: disable=unused-import
+from flax.nnx.sow.primitive import Selection  # pylint: disable=unused-import
+from flax.nnx.sow.primitive import accepts
+from flax.nnx.sow.primitive import tags_of  # pylint: disable=unused-import
 from flax.nnx.sow.primitive import VALUE_KINDS
 from flax.nnx.sow.primitive import sow_effect
 from flax.nnx.sow.primitive import sow_p
@@ -184,64 +187,6 @@ def init_order_sites(jaxpr: _jax.Jaxpr) -> list[SowSite]:
 
 def as_jaxpr(j: _jax.Jaxpr | _jax.ClosedJaxpr) -> _jax.Jaxpr:
   return j.jaxpr if isinstance(j, _jax.ClosedJaxpr) else j
-
-
-PLAIN_SOWS = object()
-"""A ``Collector.accepts_key`` that takes every plain sow, whatever its tag.
-
-Used to hoist plain sows out of a construct (``constructs/batched.py``).
-"""
-
-
-@dataclasses.dataclass(frozen=True)
-class Selection:
-  """The ``accepts_key`` of a capture that selects names (``names=``).
-
-  ``tags`` is ``None`` (every tag) or a frozenset; ``names`` a frozenset of
-  names or a callable ``name -> bool``. A capture without ``names`` keeps its
-  ``tags`` (``None`` or a frozenset) as its key.
-  """
-
-  tags: frozenset | None
-  names: tp.Any
-
-  def accepts_name(self, name: Name) -> bool:
-    if isinstance(self.names, frozenset):
-      return name in self.names
-    return bool(self.names(name))
-
-
-def tags_of(accepts_key) -> frozenset | None:
-  """The tags a capture's ``accepts_key`` takes (``None``: every tag)."""
-  if isinstance(accepts_key, Selection):
-    return accepts_key.tags
-  return accepts_key
-
-
-def accepts(
-    accepts_key: frozenset | Selection | None | object,
-    tag: tp.Hashable,
-    reduction: Reduction | None,
-    kind: str = 'value',
-    name: Name | None = None,
-) -> bool:
-  """Whether a capture with ``accepts_key`` collects a sow of ``tag`` and
-  ``name``."""
-  if kind == KEPT:
-    # Left in place for ``intervene``; its value is collected from the
-    # ``'hoisted'`` copy (``constructs/batched.py``).
-    return False
-  if accepts_key is PLAIN_SOWS:
-    # Hoisting moves values; markers stay where they are (a perturb marker
-    # must meet the JVP there).
-    return reduction is None and kind not in MARKER_KINDS
-  if accepts_key is None:
-    return True
-  if isinstance(accepts_key, Selection):
-    return (
-        accepts_key.tags is None or tag in accepts_key.tags
-    ) and accepts_key.accepts_name(name)
-  return tag in accepts_key
 
 
 def construct_name(primitive: _jax.Primitive) -> str:

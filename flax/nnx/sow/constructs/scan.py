@@ -60,6 +60,7 @@ from flax.nnx.sow.control import control_rules
 from flax.nnx.sow.inject import intervene_rules
 from flax.nnx.sow.inject import one_body
 from flax.nnx.sow.primitive import intervening
+from flax.nnx.sow.primitive import replacing
 from flax.nnx.sow.primitive import sow_effect
 from flax.nnx.sow.primitive import sow_p
 from flax.nnx.sow.primitive import staging_captures
@@ -235,8 +236,12 @@ def _sow_partial_eval(trace, *tracers, **params):
     # operands as constants the hoisting passes in; consumers keep the
     # known operands, so what they compute may still be hoisted. A marker
     # without operands (``'order'``) stays in the loop too, where it marks
-    # the first sow of its name.
-    _jax.stage_unknown(trace, sow_p, tracers, params)
+    # the first sow of its name. Not so for a sow an intervene replaces:
+    # its consumers read its result (the replacement, per iteration), so
+    # they stay in the loop too.
+    outs = _jax.stage_unknown(trace, sow_p, tracers, params)
+    if replacing(params) is not None:
+      return outs
     return list(tracers[: len(tracers) - params['n_closure']])
   return trace.default_process_primitive(sow_p, tracers, params)
 

@@ -35,6 +35,7 @@ import jax
 import numpy as np
 
 from flax.nnx.sow import _jax
+from flax.nnx.sow import _jax_patches
 from flax.nnx.sow import api
 from flax.nnx.sow import primitive as primitive_lib
 from flax.nnx.sow import toplevel
@@ -371,6 +372,7 @@ def rewrite_program(
   use for sub-jaxprs (:func:`eval_collecting`).
   """
   accepts_key = None if tags is None else frozenset(tags)
+  _jax_patches.install()  # as the first capture does (``staging``)
 
   def replay(*args):
     return _jax.eval_jaxpr(closed.jaxpr, closed.consts, *args)

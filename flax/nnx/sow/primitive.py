@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from flax.nnx.sow import _jax
+from flax.nnx.sow import _jax_patches
 from flax.nnx.sow.reductions import Reduction
 
 Name = tp.Union[str, tuple[tp.Union[str, int], ...]]
@@ -113,7 +114,10 @@ def staging(accepts_key: tp.Any = None):
   Its value, the ``tags`` keys of the captures staging (outermost first), is
   part of JAX's tracing cache key, so a ``jax.jit`` traced inside a capture
   (effectful sows) is not reused outside one (effect-free sows), and back.
+  The first staging installs the patch inventory (``_jax_patches.py``):
+  importing the package replaces nothing in JAX.
   """
+  _jax_patches.install()
   return _STAGING((*_STAGING.value, accepts_key))
 
 

@@ -180,7 +180,8 @@ def _first_eval_shape():
 
 def _first_nnx():
   from flax import nnx  # pylint: disable=g-import-not-at-top
-  import flax.nnx.sow  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
+  # pylint: disable-next=g-import-not-at-top,unused-import
+  import flax.nnx.sow  # noqa: F401
 
   class Double(nnx.Module):
 
@@ -212,7 +213,8 @@ FIRST_CALLS = {
 
 
 def scenario_first(how: str) -> dict:
-  import flax.nnx.sow  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
+  # pylint: disable-next=g-import-not-at-top,unused-import
+  import flax.nnx.sow  # noqa: F401
   from flax.nnx.sow import _jax_patches  # pylint: disable=g-import-not-at-top
 
   installed_before = _jax_patches.installed()
@@ -342,7 +344,8 @@ def _transforms(with_sow: bool, x) -> list:
 
 
 def scenario_before() -> dict:
-  import flax.nnx.sow  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
+  # pylint: disable-next=g-import-not-at-top,unused-import
+  import flax.nnx.sow  # noqa: F401
   from flax.nnx.sow import _jax_patches  # pylint: disable=g-import-not-at-top
   from flax.nnx.sow import capture, sow  # pylint: disable=g-import-not-at-top
 

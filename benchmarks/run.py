@@ -452,6 +452,31 @@ def eager_functional(cfg: Config) -> list[Result]:
       'f eager (no jit)', ta, tb, target=None, sizes=sizes.asdict())]
 
 
+@benchmark('eager_names')
+def eager_names(cfg: Config) -> list[Result]:
+  """``capture(f, names=<a new lambda each call>)`` / the same with one
+  reused function, eager: a selection written inline must reuse the staged
+  and compiled work (it is keyed by what it selects, not by the object)."""
+  sizes = cfg.sizes if cfg.quick else cfg.sizes.replace(batch=1, seq=8)
+  graphdef, state = wl.concrete_state(sizes)
+  x = wl.example_input(sizes)
+  f = wl.pure_functions(graphdef)['f']
+  residual = lambda n: n[-1] == 'residual'
+  inline = lambda: capture(f, names=lambda n: n[-1] == 'residual')(state, x)
+  reused = lambda: capture(f, names=residual)(state, x)
+  (out_a, got_a), (out_b, got_b) = inline(), reused()
+  np.testing.assert_allclose(out_a, out_b, rtol=1e-6)
+  want = [('blocks', i, 'residual') for i in range(sizes.layers)]
+  if list(got_a) != want or list(got_b) != want:
+    raise AssertionError(f'expected {want}, got {list(got_a)}, {list(got_b)}')
+  repeats = 3 if cfg.quick else 2 * cfg.runtime_repeats
+  ta, tb = timing.interleaved(inline, reused, repeats, warmup=2)
+  return [timing.compare(
+      'eager_names', 'capture(f, names=<new lambda each call>) eager',
+      'capture(f, names=<one reused function>) eager', ta, tb, target=1.2,
+      sizes=sizes.asdict())]
+
+
 @benchmark('perturb_grad')
 def perturb_grad(cfg: Config) -> list[Result]:
   graphdef, state = wl.concrete_state(cfg.sizes)

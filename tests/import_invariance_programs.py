@@ -14,15 +14,19 @@
 
 """Sow-free programs whose jaxprs ``test_import_invariance`` compares.
 
-Run as ``python import_invariance_programs.py [--import-sow]`` in a fresh
-interpreter, with ``XLA_FLAGS`` asking for 8 CPU devices (``conftest.py``):
-with ``--import-sow`` it imports ``flax.nnx.sow`` before anything else, so
-every rule and wrapper the package installs in JAX is in place. Then it
-stages every program of :func:`programs` with ``jax.make_jaxpr`` and prints
-one line ``RESULT {json}``: whether ``flax.nnx.sow`` is imported, the device
-count, and ``str(jaxpr)`` by program name (``ERROR ...`` where staging
-raised). No program here holds a sow, so importing the package must not
-change any of them.
+Run as ``python import_invariance_programs.py [--import-sow |
+--after-capture]`` in a fresh interpreter, with ``XLA_FLAGS`` asking for 8
+CPU devices (``conftest.py``): with ``--import-sow`` it imports
+``flax.nnx.sow`` before anything else (which registers the package's own
+primitive rules and the NNX shims, and replaces nothing in JAX); with
+``--after-capture`` it also runs one ``capture`` first, which installs the
+patch inventory (``_jax_patches.py``), so every wrapper the package puts in
+JAX is in place. Then it stages every program of :func:`programs` with
+``jax.make_jaxpr`` and prints one line ``RESULT {json}``: whether
+``flax.nnx.sow`` is imported and its patches installed, the device count,
+and ``str(jaxpr)`` by program name (``ERROR ...`` where staging raised). No
+program here holds a sow, so neither the import nor the installed patches
+may change any of them.
 
 The programs are the constructs whose JAX rules the package wraps or sits
 next to: ``checkpoint`` policies (saving, offloading) around
@@ -38,7 +42,9 @@ import json
 import sys
 import typing as tp
 
-if __name__ == '__main__' and '--import-sow' in sys.argv:
+if __name__ == '__main__' and (
+    '--import-sow' in sys.argv or '--after-capture' in sys.argv
+):
   # Before JAX is first imported, as a user's program may do.
   import flax.nnx.sow  # noqa: F401
 
@@ -744,10 +750,28 @@ def stage_all() -> dict[str, str]:
   return out
 
 
+def _first_capture() -> None:
+  """One capture, which installs the patch inventory."""
+  from flax.nnx import sow as sow_lib  # pylint: disable=g-import-not-at-top
+
+  _, collected = sow_lib.capture(lambda x: sow_lib.sow(x * 2.0, name='y'))(
+      jnp.ones(3)
+  )
+  assert float(collected['y'][0][0]) == 2.0, collected
+
+
+def _patches_installed() -> bool | None:
+  patches = sys.modules.get('flax.nnx.sow._jax_patches')
+  return None if patches is None else patches.installed()
+
+
 def main() -> None:
+  if '--after-capture' in sys.argv:
+    _first_capture()
   jaxprs = stage_all()
   report = {
       'sow_imported': 'flax.nnx.sow' in sys.modules,
+      'patches_installed': _patches_installed(),
       'device_count': jax.device_count(),
       'jaxprs': jaxprs,
   }

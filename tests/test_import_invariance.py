@@ -14,12 +14,17 @@
 
 """Importing ``flax.nnx.sow`` changes no program that holds no sow.
 
-The package installs rules and wrappers into JAX when it is imported
-(partial-evaluation rules, batching wrappers, ...). Each must take JAX's own
-path for an equation with no sow a capture is staging. This test stages the
-sow-free programs of ``import_invariance_programs.py`` in two fresh
-interpreters, one that imports ``flax.nnx.sow`` first and one that never
-imports it, and compares the jaxprs as text.
+Importing the package replaces nothing in JAX; the first ``capture`` or
+``intervene`` installs the patch inventory (``_jax_patches.py``:
+partial-evaluation rules, batching wrappers, ...), each of which must take
+JAX's own path for an equation with no sow a capture is staging. This test
+stages the sow-free programs of ``import_invariance_programs.py`` in three
+fresh interpreters, one that never imports ``flax.nnx.sow``, one that
+imports it first, and one that also runs a capture first, and compares the
+jaxprs as text. Other fresh interpreters check that the import leaves every
+object of JAX's in place, that each way of calling a capture first installs
+the inventory, once, also from several threads at a time, and that what JAX
+traced before the first capture behaves the same after it.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from flax.nnx.sow import sow
 
 HERE = pathlib.Path(__file__).resolve().parent
 PROGRAMS = HERE / 'import_invariance_programs.py'
+WORKER = HERE / 'lazy_install_worker.py'
 TIMEOUT_S = 300
 
 sys.path.insert(0, str(HERE))
@@ -52,20 +58,27 @@ finally:
   sys.path.remove(str(HERE))
 
 
-def _stage_in_fresh_interpreters() -> tuple[dict, dict]:
-  """The reports of the corpus run without and with ``flax.nnx.sow``."""
+def _stage_in_fresh_interpreters() -> tuple[dict, dict, dict]:
+  """The reports of the corpus run without ``flax.nnx.sow``, with it
+  imported, and with it imported and a capture run first."""
+  flags = ((), ('--import-sow',), ('--after-capture',))
+  return tuple(_run_fresh([[str(PROGRAMS), *f] for f in flags]))
+
+
+def _run_fresh(commands: list[list[str]]) -> list[dict]:
+  """The ``RESULT`` report of each command, each run by a fresh Python."""
   env = dict(os.environ)  # XLA_FLAGS asks for 8 devices (conftest.py)
   env['JAX_PLATFORMS'] = 'cpu'
   procs = [
       subprocess.Popen(
-          [sys.executable, str(PROGRAMS), *flags],
+          [sys.executable, *command],
           env=env,
           stdout=subprocess.PIPE,
           stderr=subprocess.PIPE,
           text=True,
           cwd=str(HERE),
       )
-      for flags in ((), ('--import-sow',))
+      for command in commands
   ]
   try:
     outputs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
@@ -84,7 +97,7 @@ def _stage_in_fresh_interpreters() -> tuple[dict, dict]:
     if len(lines) != 1:
       raise AssertionError(f'no single RESULT line:\n{out}\n{err}')
     reports.append(json.loads(lines[0][len('RESULT ') :]))
-  return reports[0], reports[1]
+  return reports
 
 
 class ImportInvarianceTest(absltest.TestCase):
@@ -92,12 +105,18 @@ class ImportInvarianceTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.without, cls.with_sow = _stage_in_fresh_interpreters()
+    cls.without, cls.with_sow, cls.after_capture = (
+        _stage_in_fresh_interpreters()
+    )
 
   def test_interpreters_differ_only_by_the_import(self):
     self.assertFalse(self.without['sow_imported'])
+    self.assertIsNone(self.without['patches_installed'])
     self.assertTrue(self.with_sow['sow_imported'])
-    for report in (self.without, self.with_sow):
+    self.assertFalse(self.with_sow['patches_installed'])
+    self.assertTrue(self.after_capture['sow_imported'])
+    self.assertTrue(self.after_capture['patches_installed'])
+    for report in (self.without, self.with_sow, self.after_capture):
       self.assertEqual(report['device_count'], corpus.DEVICES)
       self.assertEqual(sorted(report['jaxprs']), sorted(corpus.programs()))
 
@@ -129,26 +148,108 @@ class ImportInvarianceTest(absltest.TestCase):
       self.assertEqual(text.count('device_put'), count, msg=name)
       self.assertIn('MemorySpace.Host', text, msg=name)
 
-  def test_jaxprs_identical_with_and_without_the_import(self):
+  def _assert_same_jaxprs(self, other: dict, label: str):
     changed = [
         name
         for name, text in self.without['jaxprs'].items()
-        if self.with_sow['jaxprs'].get(name) != text
+        if other['jaxprs'].get(name) != text
     ]
     diffs = [
         f'--- {name}\n'
         + '\n'.join(
             difflib.unified_diff(
                 self.without['jaxprs'][name].splitlines(),
-                self.with_sow['jaxprs'].get(name, '').splitlines(),
+                other['jaxprs'].get(name, '').splitlines(),
                 'without flax.nnx.sow',
-                'with flax.nnx.sow',
+                label,
                 lineterm='',
             )
         )
         for name in changed
     ]
     self.assertEmpty(changed, msg='\n'.join(diffs))
+
+  def test_jaxprs_identical_with_and_without_the_import(self):
+    self._assert_same_jaxprs(self.with_sow, 'with flax.nnx.sow')
+
+  def test_jaxprs_identical_once_a_capture_installed_the_patches(self):
+    self._assert_same_jaxprs(
+        self.after_capture, 'with flax.nnx.sow, after a capture'
+    )
+
+
+_FIRST_CALLS = ('eager', 'jit', 'eval_shape', 'nnx', 'intervene')
+
+
+class LazyInstallTest(absltest.TestCase):
+  """Importing replaces nothing in JAX; the first capture installs the
+  patch inventory (``lazy_install_worker.py``, fresh interpreters)."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    scenarios = ['import', 'threads', 'before']
+    scenarios += [f'first:{how}' for how in _FIRST_CALLS]
+    reports = _run_fresh([[str(WORKER), s] for s in scenarios])
+    cls.reports = dict(zip(scenarios, reports))
+
+  def test_import_replaces_no_jax_object(self):
+    report = self.reports['import']
+    # Every module attribute, registry entry and class or primitive
+    # attribute of the JAX modules the inventory touches is the object it
+    # was before ``flax.nnx.sow``, its submodules and the NNX shims were
+    # imported.
+    self.assertEqual(report['changed_by_import'], [])
+    self.assertFalse(report['installed_at_import'])
+
+  def test_first_capture_installs_exactly_the_inventory(self):
+    report = self.reports['import']
+    self.assertTrue(report['installed_after_capture'])
+    self.assertEqual(report['collected'], [2.0, 2.0])
+    self.assertEqual(report['inventory'], 19)
+    self.assertEqual(report['targets_not_installed'], [])
+    self.assertEqual(report['replaced_outside_inventory'], [])
+    self.assertGreater(report['replaced_by_capture'], 0)
+
+  def test_every_first_call_installs(self):
+    expected = {
+        'eager': [[3.0, 3.0], [2.0, 2.0]],
+        'jit': [[3.0, 3.0], [2.0, 2.0]],
+        'eval_shape': [[2], [2]],
+        'nnx': [[3.0, 3.0], [2.0, 2.0]],
+        'intervene': [[-1.0, -1.0]],  # -(2 * 1) + 1
+    }
+    names = self.reports['threads']['inventory']
+    for how in _FIRST_CALLS:
+      report = self.reports[f'first:{how}']
+      self.assertFalse(report['installed_before'], msg=how)
+      self.assertTrue(report['installed_after'], msg=how)
+      self.assertEqual(report['targets_installed'], names, msg=how)
+      self.assertEqual(report['values'], expected[how], msg=how)
+
+  def test_concurrent_first_captures_install_once(self):
+    report = self.reports['threads']
+    self.assertEqual(report['errors'], [])
+    self.assertEqual(report['counts'], {n: 1 for n in report['inventory']})
+    # Each thread's f ran with every patch in place, and got its own value.
+    self.assertEqual(report['seen_installed'], [True] * 8)
+    self.assertEqual(report['results'], [[float(i)] * 2 for i in range(8)])
+
+  def test_what_ran_before_the_first_capture_behaves_after_it(self):
+    report = self.reports['before']
+    self.assertFalse(report['installed_before'])
+    self.assertTrue(report['installed_after'])
+    # Outside a capture a sow is the identity under vmap(scan), vmap(cond),
+    # grad, jit(grad) and jet, without the patches and with them.
+    self.assertTrue(report['identity_before_capture'])
+    self.assertTrue(report['identity_after_capture'])
+    # A function jitted before the first capture: the same values and
+    # jaxpr after it, and a capture of it collects the sown values.
+    self.assertTrue(report['jitted_plain'])
+    self.assertTrue(report['jitted_same_after'])
+    self.assertTrue(report['jaxpr_same_after'])
+    self.assertTrue(report['collected_h'])
+    self.assertEqual(report['collected_shape'], [2, 3, 3])
 
 
 def _primitive_tree(jaxpr: jex.Jaxpr) -> list:

@@ -18,13 +18,14 @@
 ``capture(f)`` returns ``(f(...), collected)`` with every tagged value by
 name; ``perturb(value, name=...)`` collects the cotangent arriving at a value;
 ``intervene(f, values)`` replaces sown values (activation patching).
-Importing this package also installs the NNX shims (``nnx_shims.install()``):
+Importing this package installs the NNX shims (``nnx_shims.install()``):
 ``nnx.Module.sow``, ``nnx.Module.perturb`` and ``nnx.capture`` then run on
-``capture``; ``nnx_shims.uninstall()`` restores Flax's originals. See
+``capture``; ``nnx_shims.uninstall()`` restores Flax's originals. It replaces
+nothing in JAX: the patch inventory (``_jax_patches.py``) is installed when
+the first ``capture`` or ``intervene`` stages its function. See
 ``docs/guide.md`` and ``docs/migration.md``.
 """
 
-from flax.nnx.sow import _jax_patches
 from flax.nnx.sow import constructs as _constructs  # registers every construct
 from flax.nnx.sow.nnx import shims as nnx_shims
 from flax.nnx.sow.nnx import state
@@ -42,7 +43,6 @@ from flax.nnx.sow.nnx.state import flatten_names
 from flax.nnx.sow.nnx.hooks import module_outputs
 from flax.nnx.sow.nnx.state import state_to_collected
 
-_jax_patches.install()  # every JAX patch, in the inventory's order
 nnx_shims.install()
 
 __all__ = [

@@ -17,15 +17,23 @@
 Each entry of :data:`INVENTORY` names a JAX object this package replaces,
 why, the JAX versions it was checked against, and the hook JAX would expose
 to make the patch unnecessary. The files that own a behaviour provide the
-wrapper (:func:`register`, at import); :func:`install` applies every
-registered patch once, in the order of the inventory, so wrappers stacked on
+wrapper (:func:`register`, at import). Importing the package replaces
+nothing: :func:`install` applies every registered patch when the first
+``capture`` or ``intervene`` stages its function (``primitive.staging``),
+once, under a lock, in the order of the inventory, so wrappers stacked on
 one target (``scan``'s batching rule) always stack the same way. Every
 wrapper takes JAX's own path for equations that hold no sow a capture is
-staging (``tests/test_import_invariance.py`` checks that programs without
-sows stage to the same jaxpr with and without this package).
+staging, so a function JAX traced or compiled before the first capture
+behaves the same after it (``tests/test_import_invariance.py`` checks that
+programs without sows stage to the same jaxpr without this package, with it
+imported, and once a capture has installed the inventory).
 
-Rules this package registers for its own primitives (``sow_p``,
-``perturb_tangent_p``) are not patches and stay with the primitive.
+What the package does register at import is not a patch: rules for its own
+primitives (``sow_p``, ``perturb_tangent_p``: their JVP, transpose,
+batching, lowering, partial-evaluation and ``jet`` rules), its effect type
+in JAX's effect sets, its ``Collected`` pytree, and its directory in JAX's
+list of files that tracebacks skip. Each adds an entry JAX does not have,
+and none changes a program without a sow.
 """
 
 from __future__ import annotations
@@ -38,6 +46,19 @@ import typing as tp
 from flax.nnx.sow import _jax
 
 JAX_VERSIONS = 'jax 0.10.2 (jax>=0.10.2,<0.11 in pyproject.toml)'
+
+
+class _Target:
+  """Where a patch goes: ``apply(wrapper)`` installs it (idempotent);
+  ``current()`` is what is at the target now (JAX's own objects until
+  :func:`install`)."""
+
+  def __init__(self, apply, current):
+    self.apply = apply
+    self.current = current
+
+  def __call__(self, wrapper):
+    return self.apply(wrapper)
 
 
 def _marked(fn):
@@ -63,7 +84,7 @@ def _wrap_attribute(owner, attribute: str):
 
     setattr(owner, attribute, _marked(patched))
 
-  return apply
+  return _Target(apply, lambda: (getattr(owner, attribute),))
 
 
 def _wrap_rule(registry: dict, primitive):
@@ -79,7 +100,7 @@ def _wrap_rule(registry: dict, primitive):
 
     registry[primitive] = _marked(rule)
 
-  return apply
+  return _Target(apply, lambda: (registry.get(primitive),))
 
 
 def _new_rule(registry: dict, primitive):
@@ -101,7 +122,7 @@ def _new_rule(registry: dict, primitive):
 
     registry[primitive] = _marked(rule)
 
-  return apply
+  return _Target(apply, lambda: (registry.get(primitive),))
 
 
 def _stacked_rule(registry: dict, primitive, flag: str):
@@ -119,7 +140,7 @@ def _stacked_rule(registry: dict, primitive, flag: str):
     setattr(rule, flag, True)
     registry[primitive] = _marked(rule)
 
-  return apply
+  return _Target(apply, lambda: (registry.get(primitive),))
 
 
 def _wrap_bind_with_trace(primitive):
@@ -135,7 +156,13 @@ def _wrap_bind_with_trace(primitive):
 
     primitive.bind_with_trace = _marked(bind_with_trace)
 
-  return apply
+  # JAX's own is the class's method (an attribute of the primitive object
+  # only once patched).
+  return _Target(apply, lambda: (vars(primitive).get('bind_with_trace'),))
+
+
+def _scan_hoisting_now():
+  return (_jax.lax_control_flow.loops._scan_known_hoisting,)  # pylint: disable=protected-access
 
 
 def _replace_scan_hoisting(factory):
@@ -147,6 +174,10 @@ def _replace_scan_hoisting(factory):
   loops._scan_known_hoisting = _marked(  # pylint: disable=protected-access
       factory(loops._scan_known_hoisting)  # pylint: disable=protected-access
   )
+
+
+def _compiled_call_now():
+  return (_jax.stages.Compiled.__call__,)
 
 
 def _guard_compiled_calls(check):
@@ -162,6 +193,15 @@ def _guard_compiled_calls(check):
     return original(self, *args, **kwargs)
 
   cls.__call__ = _marked(__call__)
+
+
+def _mesh_api_now():
+  impls = _jax.sharding_impls
+  return (
+      impls.set_mesh.__init__,
+      impls.get_mesh,
+      _jax.jax_sharding_module().get_mesh,
+  )
 
 
 def _eager_mesh_api(is_eager):
@@ -190,7 +230,7 @@ def _eager_mesh_api(is_eager):
     return original_get()
 
   cls.__init__ = _marked(__init__)
-  impls.get_mesh = get_mesh
+  impls.get_mesh = _marked(get_mesh)
   _jax.jax_sharding_module().get_mesh = get_mesh
 
 
@@ -204,7 +244,8 @@ class Patch:
     owner: the file of this package that provides the wrapper.
     reason: why it is replaced.
     jax_hook: what JAX would need to expose to make it unnecessary.
-    apply: ``apply(wrapper)`` installs it (idempotent).
+    apply: ``apply(wrapper)`` installs it (idempotent);
+      ``apply.current()`` returns the objects at the target now.
   """
 
   name: str
@@ -212,7 +253,7 @@ class Patch:
   owner: str
   reason: str
   jax_hook: str
-  apply: tp.Callable[[tp.Callable], None]
+  apply: _Target
 
 
 INVENTORY: tuple[Patch, ...] = (
@@ -224,7 +265,7 @@ INVENTORY: tuple[Patch, ...] = (
         ' so a capture would silently miss its sows; the call raises inside'
         ' a capture instead.',
         'A way for a trace to refuse (or see) calls of compiled executables.',
-        _guard_compiled_calls,
+        _Target(_guard_compiled_calls, _compiled_call_now),
     ),
     Patch(
         'eager_mesh_api',
@@ -234,7 +275,7 @@ INVENTORY: tuple[Patch, ...] = (
         " capture's trace only watches, so f may use them as without it.",
         'A way for a trace to declare itself transparent to'
         ' core.trace_state_clean.',
-        _eager_mesh_api,
+        _Target(_eager_mesh_api, _mesh_api_now),
     ),
     Patch(
         'custom_jvp_bind',
@@ -274,7 +315,7 @@ INVENTORY: tuple[Patch, ...] = (
         ' must still give one value per iteration.',
         'A per-effect opt-out of loop-invariant hoisting in scan partial'
         ' evaluation.',
-        _replace_scan_hoisting,
+        _Target(_replace_scan_hoisting, _scan_hoisting_now),
     ),
     Patch(
         'partial_eval_nounits',
@@ -418,6 +459,7 @@ INVENTORY: tuple[Patch, ...] = (
 _BY_NAME = {p.name: p for p in INVENTORY}
 _REGISTERED: dict[str, tp.Callable] = {}
 _LOCK = threading.Lock()
+_installed = False
 
 
 def register(name: str, wrapper: tp.Callable) -> None:
@@ -432,9 +474,25 @@ def register(name: str, wrapper: tp.Callable) -> None:
 
 
 def install() -> None:
-  """Applies every registered patch, in the inventory's order. Idempotent."""
+  """Applies every registered patch, in the inventory's order.
+
+  Called when a capture or ``intervene`` starts staging; runs once per
+  process (later calls return at once), and a thread that calls it while
+  another is installing waits until every patch is in place.
+  """
+  global _installed
+  if _installed:
+    return
   with _LOCK:
+    if _installed:
+      return
     for patch in INVENTORY:
       wrapper = _REGISTERED.get(patch.name)
       if wrapper is not None:
         patch.apply(wrapper)
+    _installed = True
+
+
+def installed() -> bool:
+  """Whether :func:`install` has run in this process."""
+  return _installed

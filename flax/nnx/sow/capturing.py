@@ -35,8 +35,10 @@ import jax
 import numpy as np
 
 from flax.nnx.sow import _jax
+from flax.nnx.sow import _jax_patches
 from flax.nnx.sow import api
 from flax.nnx.sow import primitive as primitive_lib
+from flax.nnx.sow import sites
 from flax.nnx.sow import toplevel
 from flax.nnx.sow.primitive import Name
 from flax.nnx.sow.primitive import staging
@@ -87,10 +89,12 @@ def capture(
       ``str`` or tuple paths), or a callable ``name -> bool`` (e.g.
       ``lambda n: n[-1] == 'resid'``). A sow is accepted when its tag and its
       name are; the rest stay in the program for an enclosing capture and
-      cost this capture nothing (not stacked, carried or returned). Pass the
-      same callable to reuse compiled programs: a new one is a new cache key.
-      The idea is TransformerLens' ``names_filter`` and oryx's
-      ``allowlist``.
+      cost this capture nothing (not stacked, carried or returned). The
+      callable is asked about each name a call sows (once per name and
+      call), and what it selects, not the object, keys the compiled
+      programs: a new callable that selects the same names (a lambda
+      written inline) reuses them, and no cache keeps it alive. The idea
+      is TransformerLens' ``names_filter`` and oryx's ``allowlist``.
 
   Returns:
     ``g`` with ``g(*args, **kwargs) -> (f(*args, **kwargs), collected)``.
@@ -126,14 +130,18 @@ def capture(
   accepts_key = check_tags(tags, 'capture')
   if names is not None:
     accepts_key = Selection(accepts_key, _check_names(names))
-  eager_calls = _EagerJitted(f, accepts_key)
+  eager_calls = _EagerJitted(f)
 
   @functools.wraps(f)
   def captured(*args, **kwargs):
-    out = eager_calls(args, kwargs)
-    if out is not None:
-      return out
-    return _capture_call(f, accepts_key, args, kwargs)
+    key = sites.for_call(accepts_key)  # see sites.NameDecisions
+    try:
+      out = eager_calls(key, args, kwargs)
+      if out is not None:
+        return out
+      return _capture_call(f, key, args, kwargs)
+    finally:
+      sites.release(key)
 
   captured._sow_captured = (f, tags, names)  # pylint: disable=protected-access
   return captured
@@ -186,14 +194,15 @@ class _EagerJitted:
   once per argument structure and static values and dispatched by
   ``jax.jit``'s fast path: the eager overhead of the rewrite goes away.
   The compiled functions are kept per ``f`` (weakly), so a new
-  ``capture(f)`` of the same ``f`` reuses them.
+  ``capture(f)`` of the same ``f`` reuses them; the selection is a static
+  argument of each, compared by what it selects (``sites.NameDecisions``).
   """
 
   _MAX_ENTRIES = 64
   _cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
   _lock = threading.Lock()
 
-  def __init__(self, f, accepts_key):
+  def __init__(self, f):
     info = getattr(f, '_jit_info', None)
     self.enabled = (
         info is not None
@@ -201,7 +210,6 @@ class _EagerJitted:
         and not info.donate_argnames
     )
     self.f = f
-    self.accepts_key = accepts_key
     self.static_argnums = () if info is None else info.static_argnums
     self.static_argnames = () if info is None else info.static_argnames
 
@@ -217,7 +225,7 @@ class _EagerJitted:
       flags += [k in self.static_argnames] * n
     return flags
 
-  def __call__(self, args, kwargs):
+  def __call__(self, accepts_key, args, kwargs):
     if not self.enabled or not primitive_lib.is_eager():
       return None
     leaves, in_tree = jax.tree_util.tree_flatten(
@@ -239,7 +247,7 @@ class _EagerJitted:
     types = tuple(
         type(x) for x, a in zip(leaves, mask) if a and not is_array(x)
     )
-    key = (self.accepts_key, in_tree, mask, statics, types)
+    key = (in_tree, mask, statics, types)
     per_f = self._cache.get(self.f)
     try:
       run = None if per_f is None else per_f.get(key)
@@ -250,24 +258,24 @@ class _EagerJitted:
           functools.partial(
               _run_captured,
               weakref.ref(self.f),  # the cache must not keep f alive
-              self.accepts_key,
               in_tree,
               mask,
               statics,
-          )
+          ),
+          static_argnums=0,  # the selection
       )
       with self._lock:
         per_f = self._cache.setdefault(self.f, {})
         if len(per_f) >= self._MAX_ENTRIES:
           per_f.pop(next(iter(per_f)))
         per_f[key] = run
-    return run(*(x for x, a in zip(leaves, mask) if a))
+    return run(accepts_key, *(x for x, a in zip(leaves, mask) if a))
 
 
 _NUMBERS = (bool, int, float, complex, np.generic)
 
 
-def _run_captured(f_ref, accepts_key, in_tree, mask, statics, *arrays):
+def _run_captured(f_ref, in_tree, mask, statics, accepts_key, *arrays):
   f = f_ref()
   arrays, statics = iter(arrays), iter(statics)
   full = [next(arrays) if a else next(statics) for a in mask]
@@ -371,6 +379,7 @@ def rewrite_program(
   use for sub-jaxprs (:func:`eval_collecting`).
   """
   accepts_key = None if tags is None else frozenset(tags)
+  _jax_patches.install()  # as the first capture does (``staging``)
 
   def replay(*args):
     return _jax.eval_jaxpr(closed.jaxpr, closed.consts, *args)

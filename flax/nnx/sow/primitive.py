@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from flax.nnx.sow import _jax
+from flax.nnx.sow import _jax_patches
 from flax.nnx.sow.reductions import Reduction
 
 Name = tp.Union[str, tuple[tp.Union[str, int], ...]]
@@ -141,7 +142,10 @@ def staging(accepts_key: tp.Any = None):
   Its value, the ``tags`` keys of the captures staging (outermost first), is
   part of JAX's tracing cache key, so a ``jax.jit`` traced inside a capture
   (effectful sows) is not reused outside one (effect-free sows), and back.
+  The first staging installs the patch inventory (``_jax_patches.py``):
+  importing the package replaces nothing in JAX.
   """
+  _jax_patches.install()
   return _STAGING((*_STAGING.value, accepts_key))
 
 
@@ -203,8 +207,9 @@ class Selection:
   """The ``accepts_key`` of a capture that selects names (``names=``).
 
   ``tags`` is ``None`` (every tag) or a frozenset; ``names`` a frozenset of
-  names or a callable ``name -> bool``. A capture without ``names`` keeps its
-  ``tags`` (``None`` or a frozenset) as its key.
+  names or a callable ``name -> bool`` (in the key of one call, a
+  ``sites.NameDecisions``, see ``sites.for_call``). A capture without
+  ``names`` keeps its ``tags`` (``None`` or a frozenset) as its key.
   """
 
   tags: frozenset | None

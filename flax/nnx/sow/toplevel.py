@@ -44,6 +44,7 @@ import typing as tp
 from flax.nnx.sow import _jax
 from flax.nnx.sow import _jax_patches
 from flax.nnx.sow import collect as capture_lib
+from flax.nnx.sow import sites
 from flax.nnx.sow.primitive import sow_p
 from flax.nnx.sow.primitive import staging
 
@@ -290,9 +291,13 @@ def trace_and_collect(
   # Each sow is folded as it is bound (python_folds).
   collector = capture_lib.Collector(accepts_key, python_folds=True)
   trace = CaptureTrace(_jax.trace_ctx.trace, collector)
+  # Part of JAX's tracing cache key: its own record of the names that
+  # tracing asks about (vmap's rules, rarely), so that it compares cheaply.
+  staging_key = sites.for_call(accepts_key)
   try:
-    with staging(accepts_key), _jax.set_current_trace(trace):
+    with staging(staging_key), _jax.set_current_trace(trace):
       out = f(*args, **kwargs)
   finally:
     trace.invalidate()
+    sites.release(staging_key)
   return out, collector.result()

@@ -116,9 +116,9 @@ _DEFAULT_EXAMPLES = {
     'closure': 12,
     'invariance': 8,
     'invalid': 8,
-    'intervene': 8,
-    'perturb_in_cond': 6,
-    'key_order': 8,
+    'intervene': 6,
+    'perturb_in_cond': 4,
+    'key_order': 6,
 }
 
 
@@ -451,6 +451,25 @@ def _perturbed_branches(draw, n_branches):
 def _bodies(draw, depth, ctx=Ctx(True, True, False)):
   n = draw(st.integers(1, 3))
   return tuple(draw(_nodes(depth, ctx)) for _ in range(n))
+
+
+@st.composite
+def _nested_loop_programs(draw):
+  """A scan whose body holds a vmap, then an inner loop (the shape of a
+  key-order failure under grad/linearize), with unique plain names."""
+  ctx = Ctx(True, True, False)
+  first = draw(_bodies(1, ctx._replace(vmap=True)))
+  mid = tuple(draw(st.lists(_nodes(0, ctx), max_size=1)))
+  inner = draw(st.sampled_from(['scan', 'vmap', 'jit']))
+  second = draw(_bodies(1, ctx._replace(vmap=inner == 'vmap')))
+  if inner == 'scan':
+    second = ('scan', second, draw(st.integers(1, 2)), draw(st.booleans()))
+  else:
+    second = (inner, second)
+  body = (('vmap', first), *mid, second)
+  return _unique_names(
+      (('scan', body, draw(st.integers(1, 3)), draw(st.booleans())),)
+  )
 
 
 # The vmap body of test_perturb_in_cond_under_vmap.
@@ -2007,7 +2026,9 @@ class PropertyTest(parameterized.TestCase):
 
   @_settings('key_order')
   @hypothesis.given(
-      program=_bodies(MAX_DEPTH).map(_unique_names),
+      program=st.one_of(
+          _bodies(MAX_DEPTH).map(_unique_names), _nested_loop_programs()
+      ),
       transform=st.sampled_from(sorted(KEY_ORDER_TRANSFORMS)),
       tags=_tags_strategy(),
   )

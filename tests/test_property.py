@@ -54,7 +54,27 @@ The properties:
   is checked against the explicit program;
 * a plain name sown in only one branch of a ``cond``, or with another shape,
   or inside a ``while_loop``, and a name both sown and perturbed, is a
-  ``ValueError`` naming it, wherever the construct sits.
+  ``ValueError`` naming it, wherever the construct sits;
+* perturbs in the branches of a ``cond`` in a ``vmap`` body (on a batched
+  predicate or not), differentiated outside the ``vmap``: one entry per
+  perturb site, the taken branch's cotangent per example (the gradient with
+  respect to a zero added there), checked against the explicit program;
+* ``capture(T(f))`` lists the names in the same key order as
+  ``capture(f)`` (perturb names aside) for ``T`` in ``jit``,
+  ``grad``/``value_and_grad``, ``linearize`` and ``checkpoint`` (every
+  policy, also under ``grad``), in programs with a name of its own at every
+  plain sow site;
+* ``intervene(f, values)`` (array and callable replacements, under
+  ``jax.jit`` and ``jax.grad`` too) of programs that take ``jax.grad``,
+  ``jax.jvp``, ``jax.linearize`` and ``jax.vjp`` of their own sowing parts,
+  inside jit/scan/cond/checkpoint/vmap/Python loops, equals the same program
+  with each replacement written in place of the sown value (a second
+  generator, :func:`_iv_nodes`, whose sown values all feed the output).
+
+Run only the new properties, N programs each::
+
+  SOW_HYPOTHESIS_EXAMPLES=N .venv/bin/python -m pytest -q \
+      tests/test_property.py -k 'intervene or perturb_in_cond or key_order'
 
 Environment variables:
 
@@ -86,6 +106,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flax.nnx.sow import capture
+from flax.nnx.sow import intervene
 from flax.nnx.sow import perturb
 from flax.nnx.sow import sow
 
@@ -95,6 +116,9 @@ _DEFAULT_EXAMPLES = {
     'closure': 12,
     'invariance': 8,
     'invalid': 8,
+    'intervene': 6,
+    'perturb_in_cond': 4,
+    'key_order': 6,
 }
 
 
@@ -126,6 +150,7 @@ FEATURES = (
     'linearize',  # jax.linearize inside, its linear map applied 0-2 times
     'backward',  # jax.vjp inside, its pullback applied 0-2 times
     'meaning',  # invalid: one name both sown and perturbed
+    'iv_ad',  # intervene programs: grad/jvp/linearize/vjp inside
 )
 _EXCLUDED = frozenset(
     f for f in os.environ.get('SOW_HYPOTHESIS_EXCLUDE', '').split(',') if f
@@ -267,7 +292,11 @@ Env = collections.namedtuple('Env', 'q i')
 # derivative, a cond, a while loop or an inner capture.
 
 # ``fwd``: the body is differentiated in forward mode (no custom_vjp).
-Ctx = collections.namedtuple('Ctx', 'plain pert vmap fwd', defaults=(False,))
+# ``cpert``: a cond may hold perturbs (test_perturb_in_cond only, so that
+# the other properties keep drawing the programs they drew before).
+Ctx = collections.namedtuple(
+    'Ctx', 'plain pert vmap fwd cpert', defaults=(False, False)
+)
 
 
 def _tag(draw):
@@ -279,7 +308,7 @@ def _src(draw):
 
 
 @st.composite
-def _nodes(draw, depth, ctx):
+def _nodes(draw, depth, ctx, force=None):
   kinds = ['op', 'red', 'red']
   if ctx.plain:
     kinds += ['sow', 'sow']
@@ -299,7 +328,7 @@ def _nodes(draw, depth, ctx):
     kinds = [
         k for k in kinds if k not in ('cvjp', 'cvjp_skip', 'remat_opt', 'cvmap')
     ]
-  kind = draw(st.sampled_from(kinds))
+  kind = draw(st.sampled_from(kinds)) if force is None else force
   if kind in AD_KINDS:
     return draw(_ad_nodes(kind, depth - 1, ctx))
   if kind == 'op':
@@ -371,7 +400,12 @@ def _nodes(draw, depth, ctx):
     # collected per example; nested in a construct there, they are a
     # documented NotImplementedError, so the branches stay flat.
     sub = 0
-  branches = tuple(draw(_bodies(sub, branch_ctx)) for _ in range(n_branches))
+  if ctx.cpert and ctx.pert and _on('perturb'):
+    branches = draw(_perturbed_branches(n_branches))
+  else:
+    branches = tuple(
+        draw(_bodies(sub, branch_ctx)) for _ in range(n_branches)
+    )
   tail = ()
   if ctx.plain:
     tail = tuple(
@@ -390,9 +424,56 @@ def _nodes(draw, depth, ctx):
 
 
 @st.composite
+def _perturbed_branches(draw, n_branches):
+  """Branches that call the same perturbs in the same order, between ops
+  of their own (so the cotangents differ from branch to branch)."""
+  names = draw(
+      st.lists(
+          st.tuples(st.sampled_from(PERTURB_NAMES), st.sampled_from(TAGS)),
+          min_size=1,
+          max_size=2,
+      )
+  )
+  ops = st.lists(
+      st.tuples(st.just('op'), st.integers(0, len(OPS) - 1)), max_size=2
+  )
+  branches = []
+  for _ in range(n_branches):
+    body = list(draw(ops))
+    for name, tag in names:
+      body.append(('perturb', name, tag if _on('tags') else None))
+      body += draw(ops)
+    branches.append(tuple(body))
+  return tuple(branches)
+
+
+@st.composite
 def _bodies(draw, depth, ctx=Ctx(True, True, False)):
   n = draw(st.integers(1, 3))
   return tuple(draw(_nodes(depth, ctx)) for _ in range(n))
+
+
+@st.composite
+def _nested_loop_programs(draw):
+  """A scan whose body holds a vmap, then an inner loop (the shape of a
+  key-order failure under grad/linearize), with unique plain names."""
+  ctx = Ctx(True, True, False)
+  first = draw(_bodies(1, ctx._replace(vmap=True)))
+  mid = tuple(draw(st.lists(_nodes(0, ctx), max_size=1)))
+  inner = draw(st.sampled_from(['scan', 'vmap', 'jit']))
+  second = draw(_bodies(1, ctx._replace(vmap=inner == 'vmap')))
+  if inner == 'scan':
+    second = ('scan', second, draw(st.integers(1, 2)), draw(st.booleans()))
+  else:
+    second = (inner, second)
+  body = (('vmap', first), *mid, second)
+  return _unique_names(
+      (('scan', body, draw(st.integers(1, 3)), draw(st.booleans())),)
+  )
+
+
+# The vmap body of test_perturb_in_cond_under_vmap.
+PERTURB_IN_COND_CTX = Ctx(True, True, True, cpert=True)
 
 
 def _branch_index(n_branches, src, x, p):
@@ -653,6 +734,9 @@ def _count_perturbs(body):
       n += _count_perturbs(node[1])
     elif node[0] == 'pyloop':
       n += node[2] * _count_perturbs(node[1])
+    elif node[0] == 'cond':
+      # Every branch calls the same perturbs (_perturbed_branches).
+      n += _count_perturbs(node[1][0])
   return n
 
 
@@ -907,19 +991,28 @@ def _node_explicit(node, x, p, accs, cx):
       log.append(('plain', out_level, _inner_name(node, sub, cx.levels), value))
     return x, p, accs, log
   if kind == 'cond':
+    # The perturbs of the branches (the same in each): one entry per site,
+    # the taken branch's, so each branch adds the same zero there.
+    eps = cx.eps.take(_count_perturbs(node[1][0]))
+    metas = []
 
     def branch(b):
       def run(x, p, accs):
-        x, accs, log = _run_explicit(b, x, p, accs, cx)
-        assert not log, 'plain sows in a branch are only in its tail'
-        return x, accs, [SOWN[k](x) for _, k, _ in node[2]]
+        x, accs, log = _run_explicit(
+            b, x, p, accs, cx._replace(eps=_Stream(eps))
+        )
+        assert all(e[0] == 'pert' for e in log), 'plain sows only in tails'
+        metas.append([e[:3] for e in log])
+        tail = [SOWN[k](x) for _, k, _ in node[2]]
+        return x, accs, tail, [e[3] for e in log]
 
       return run
 
     fns = [branch(b) for b in node[1]]
     index = _branch_index(len(fns), node[3], x, p)
-    x, accs, vals = jax.lax.switch(index, fns, x, p, accs)
-    entries = []
+    x, accs, vals, perts = jax.lax.switch(index, fns, x, p, accs)
+    assert all(m == metas[0] for m in metas), metas
+    entries = [(*m, v) for m, v in zip(metas[0], perts)]
     for (name, _, tag), v in zip(node[2], vals):
       level = _route(cx.levels, tag)
       if level is not None:
@@ -1189,6 +1282,27 @@ TRANSFORMS = {
     'jit_grad': lambda f: jax.jit(jax.grad(_loss(f))),
 }
 FORWARD_MODE = ('jvp', 'linearize')
+# SPEC *Invariance* promises the key order for these.
+KEY_ORDER_TRANSFORMS = {
+    **{
+        k: TRANSFORMS[k]
+        for k in (
+            'jit',
+            'grad',
+            'value_and_grad',
+            'linearize',
+            'checkpoint',
+            'checkpoint_dots',
+            'grad_checkpoint',
+            'grad_checkpoint_dots',
+            'grad_checkpoint_nothing',
+            'jit_grad',
+        )
+    },
+    'checkpoint_nothing': lambda f: jax.checkpoint(
+        f, policy=jax.checkpoint_policies.nothing_saveable
+    ),
+}
 # Transforms with no backward pass of their own.
 PRIMAL_ONLY = FORWARD_MODE + ('jit', 'checkpoint', 'checkpoint_dots')
 
@@ -1250,6 +1364,31 @@ def _under_ad_node(body, kind, inside=False):
   return False
 
 
+def _unique_names(body, counter=None):
+  """``body`` with a name of its own at every plain sow site, so that the
+  order of the keys says the order in which the sites ran first."""
+  counter = [0] if counter is None else counter
+
+  def fresh():
+    counter[0] += 1
+    return ('k', counter[0])
+
+  out = []
+  for node in body:
+    kind = node[0]
+    if kind == 'sow':
+      out.append(('sow', fresh(), *node[2:]))
+    elif kind == 'cond':
+      branches = tuple(_unique_names(b, counter) for b in node[1])
+      tail = tuple((fresh(), *t[1:]) for t in node[2])
+      out.append(('cond', branches, tail, node[3]))
+    elif kind in ('op', 'red', 'perturb'):
+      out.append(node)
+    else:
+      out.append((kind, _unique_names(node[1], counter), *node[2:]))
+  return tuple(out)
+
+
 def _contains(body, kind):
   for node in body:
     if node[0] == kind:
@@ -1265,6 +1404,295 @@ def _contains(body, kind):
       if _contains(node[1], kind):
         return True
   return False
+
+
+# ----------------------------------------------------------------------------
+# Programs for ``intervene`` that differentiate inside the intervened
+# function. Their sows feed what follows, so a replacement changes the
+# output and, inside a derivative, the derivative.
+#
+#   ('op', k)                          x = OPS[k](x)
+#   ('isow', name, k, src)             r = sow(IV_SOWN[k](source)), and r
+#                                      feeds x (IV_FEED[k])
+#   ('jit' | 'vmap', body)             as above
+#   ('remat', body, policy)            as above
+#   ('scan', body, length, reverse)    as above
+#   ('pyloop', body, n)                as above
+#   ('icond', branches, tail, src)     switch on x or p: every branch runs
+#                                      its own body (no sows), then the
+#                                      shared ``tail`` body (sows, any
+#                                      construct), so all branches sow the
+#                                      same names
+#   ('igrad' | 'ijvp', body)           x + 0.5 * the gradient of sum(body)
+#                                      (the jvp of body along ones)
+#   ('lin' | 'vjp', body, n)           as above, without perturbs
+#
+# The reference (:class:`_Replacing`) runs the same description with the
+# replacement written in place of each sown value: a callable applied to
+# it, or the next entry of the name's tuple; inside a scan or vmap the
+# entries of the body's sites enter as ``xs`` or as mapped arguments, so
+# iteration (example) i gets row i, as intervene's layout says.
+
+IV_SOWN = (
+    lambda x: x,
+    lambda x: x * x,
+    lambda x: jnp.sum(x),
+    lambda x: {'h': x + 1.0, 'n': jnp.sum(x).astype(jnp.int32)},
+)
+# Bounded, so that loops of loops stay well-conditioned.
+IV_FEED = (
+    lambda x, r: r,
+    lambda x, r: x + 0.5 * jnp.tanh(r),
+    lambda x, r: x + 0.3 * jnp.tanh(r),
+    lambda x, r: x + 0.5 * jnp.tanh(r['h']) + 0.1 * r['n'].astype(x.dtype),
+)
+IV_AD_KINDS = ('igrad', 'ijvp', 'lin', 'vjp')
+
+
+def _leafwise(fn):
+  """A callable replacement: ``fn`` on float leaves, ints plus one."""
+
+  def replace(v):
+    def leaf(a):
+      if jnp.issubdtype(jnp.asarray(a).dtype, jnp.integer):
+        return a + 1
+      return fn(a)
+
+    return jax.tree.map(leaf, v)
+
+  return replace
+
+
+IV_CALLABLES = (
+    _leafwise(lambda a: 0.5 * a),
+    _leafwise(lambda a: jnp.sin(a) * 0.5 + 0.2),
+    _leafwise(lambda a: jnp.tanh(a * a) - 0.3),
+)
+
+
+@st.composite
+def _iv_nodes(draw, depth, vmap=False):
+  kinds = ['op', 'isow', 'isow']
+  if depth > 0:
+    kinds += ['jit', 'remat', 'scan', 'vmap', 'pyloop', 'icond']
+    if _on('iv_ad'):
+      kinds += list(IV_AD_KINDS) * 2
+  kind = draw(st.sampled_from(kinds))
+  sub = depth - 1
+  if kind == 'op':
+    return ('op', draw(st.integers(0, len(OPS) - 1)))
+  if kind == 'isow':
+    return (
+        'isow',
+        draw(st.sampled_from(PLAIN_NAMES)),
+        draw(st.integers(0, len(IV_SOWN) - 1)),
+        draw(st.sampled_from(('x', 'x', 'q'))),
+    )
+  if kind in ('jit', 'igrad', 'ijvp'):
+    return (kind, draw(_iv_bodies(sub, vmap)))
+  if kind == 'vmap':
+    return ('vmap', draw(_iv_bodies(sub, True)))
+  if kind == 'remat':
+    return (
+        'remat',
+        draw(_iv_bodies(sub, vmap)),
+        draw(st.integers(0, len(CHECKPOINT_POLICIES) - 1)),
+    )
+  if kind == 'scan':
+    return (
+        'scan',
+        draw(_iv_bodies(sub, vmap)),
+        draw(st.integers(1, 3)),
+        draw(st.booleans()),
+    )
+  if kind == 'pyloop':
+    return ('pyloop', draw(_iv_bodies(sub, vmap)), draw(st.integers(1, 2)))
+  if kind in ('lin', 'vjp'):
+    return (kind, draw(_iv_bodies(sub, vmap)), draw(st.integers(0, 2)))
+  src = draw(st.sampled_from(['x', 'p']))
+  bare = st.lists(
+      st.tuples(st.just('op'), st.integers(0, len(OPS) - 1)),
+      min_size=1,
+      max_size=2,
+  ).map(tuple)
+  branches = tuple(draw(bare) for _ in range(draw(st.integers(2, 3))))
+  # Under a batched predicate the tail stays flat: a construct in a branch
+  # of such a cond is a documented NotImplementedError for some sows.
+  tail_depth = 0 if (vmap and src == 'x') else sub
+  return ('icond', branches, draw(_iv_bodies(tail_depth, vmap)), src)
+
+
+@st.composite
+def _iv_bodies(draw, depth, vmap=False):
+  n = draw(st.integers(1, 3))
+  return tuple(draw(_iv_nodes(depth, vmap)) for _ in range(n))
+
+
+def _iv_counts(body):
+  """{name: entries} that one run of ``body`` sows (capture's layout)."""
+  counts = collections.Counter()
+  for node in body:
+    kind = node[0]
+    if kind == 'isow':
+      counts[node[1]] += 1
+    elif kind == 'icond':
+      counts.update(_iv_counts(node[2]))
+    elif kind == 'pyloop':
+      for name, n in _iv_counts(node[1]).items():
+        counts[name] += node[2] * n
+    elif kind != 'op':
+      counts.update(_iv_counts(node[1]))
+  return counts
+
+
+def _iv_array_ok(body, vmap=False, loop=False):
+  """Names whose every site takes an array replacement (not inside a loop
+  or a batched cond under vmap, docs/guide.md: those need a callable)."""
+  ok, bad = set(), set()
+
+  def visit(body, vmap, loop):
+    for node in body:
+      kind = node[0]
+      if kind == 'isow':
+        (bad if vmap and loop else ok).add(node[1])
+      elif kind == 'icond':
+        visit(node[2], vmap, loop or (vmap and node[3] == 'x'))
+      elif kind != 'op':
+        visit(node[1], vmap or kind == 'vmap', loop or kind == 'scan')
+
+  visit(body, vmap, loop)
+  return ok - bad
+
+
+class _Sowing:
+  """Runs an intervene description with its sows."""
+
+  def site(self, name, value):
+    return sow(value, name=name)
+
+  def take(self, body):
+    del body
+    return ()
+
+  def inside(self, rows):
+    del rows
+    return self
+
+
+class _Replacing:
+  """Runs it with the replacements written in place of the sows."""
+
+  def __init__(self, callables, entries):
+    self.callables = callables
+    self.streams = {k: _Stream(v) for k, v in entries.items()}
+    self.names = tuple(entries)
+
+  def site(self, name, value):
+    if name in self.callables:
+      return self.callables[name](value)
+    if name in self.streams:
+      (entry,) = self.streams[name].take(1)
+      return jax.tree.map(jnp.asarray, entry)
+    return value
+
+  def take(self, body):
+    """The entries of ``body``'s sites, one list per name (a tuple: JAX
+    cannot sort a dict with both str and tuple keys)."""
+    counts = _iv_counts(body)
+    return tuple(self.streams[k].take(counts[k]) for k in self.names)
+
+  def inside(self, rows):
+    return _Replacing(self.callables, dict(zip(self.names, rows)))
+
+
+def _run_iv(body, x, p, env, rep):
+  for node in body:
+    x, p = _node_iv(node, x, p, env, rep)
+  return x
+
+
+def _node_iv(node, x, p, env, rep):
+  kind = node[0]
+  run = lambda b, x, p, rep, env=env: _run_iv(b, x, p, env, rep)
+  if kind == 'op':
+    return OPS[node[1]](x), p
+  if kind == 'isow':
+    _, name, k, src = node
+    return IV_FEED[k](x, rep.site(name, IV_SOWN[k](_base(src, x, env)))), p
+  if kind == 'jit':
+    return jax.jit(lambda x, p: run(node[1], x, p, rep))(x, p), p
+  if kind == 'remat':
+    policy = CHECKPOINT_POLICIES[node[2]]
+    fn = jax.checkpoint(lambda x, p: run(node[1], x, p, rep), policy=policy)
+    return fn(x, p), p
+  if kind == 'scan':
+    inner_env = env._replace(q=jnp.sin(x) * 0.5)
+
+    def step(carry, xs):
+      (x, p), (t, rows) = carry, xs
+      x = run(node[1], x + t, p, rep.inside(rows), inner_env)
+      return (x, p - 0.7), None
+
+    xs = (_steps(node[2]), rep.take(node[1]))
+    (x, p), _ = jax.lax.scan(step, (x, p), xs, reverse=node[3])
+    return x, p
+  if kind == 'pyloop':
+    for _ in range(node[2]):
+      x = run(node[1], x, p, rep)
+    return x, p
+  if kind == 'vmap':
+    xb = jnp.stack([x, 0.5 - x])
+    fn = lambda xi, rows: run(node[1], xi, p, rep.inside(rows))
+    return _mix(jax.vmap(fn)(xb, rep.take(node[1]))), p
+  if kind == 'icond':
+    _, branches, tail, src = node
+    rows = rep.take(tail)
+
+    def branch(b):
+      def fn(x, p):
+        x = run(b, x, p, rep)  # no sows
+        return run(tail, x, p, rep.inside(rows))
+
+      return fn
+
+    index = _branch_index(len(branches), src, x, p)
+    return jax.lax.switch(index, [branch(b) for b in branches], x, p), p
+  g = lambda z: run(node[1], z, p, rep)
+  if kind == 'igrad':
+    return x + 0.5 * jax.grad(lambda z: jnp.sum(g(z)))(x), p
+  if kind == 'ijvp':
+    y, t = jax.jvp(g, (x,), (jnp.ones_like(x),))
+    return y + 0.5 * t, p
+  if kind == 'lin':
+    y, lin = jax.linearize(g, x)
+    tangents = LIN_TANGENTS[: node[2]]
+    return y + 0.1 * sum(lin(jnp.full_like(x, t)) for t in tangents), p
+  assert kind == 'vjp', kind
+  y, pb = jax.vjp(g, x)
+  cts = VJP_COTANGENTS[: node[2]]
+  return y + 0.1 * sum(pb(jnp.full_like(y, c))[0] for c in cts), p
+
+
+def _iv_program(program, callables=None, arrays=None):
+  """The program with its sows, or with the replacements in their place."""
+
+  def fn(x, p):
+    rep = _Sowing() if callables is None else _Replacing(callables, arrays)
+    return _run_iv(program, x, p, _initial_env(x), rep)
+
+  return fn
+
+
+def _iv_constant(shape, seed):
+  """An array replacement of ``shape`` (a ShapeDtypeStruct pytree)."""
+  rng = np.random.RandomState(seed)
+
+  def leaf(s):
+    if jnp.issubdtype(s.dtype, jnp.integer):
+      return rng.randint(-3, 4, s.shape).astype(s.dtype)
+    return rng.uniform(-1.5, 1.5, s.shape).astype(s.dtype)
+
+  return jax.tree.map(leaf, shape)
 
 
 # ----------------------------------------------------------------------------
@@ -1428,6 +1856,33 @@ class PropertyTest(parameterized.TestCase):
     # SPEC: keys in order of first sow (checked after the values).
     self.assertEqual(list(collected), list(expected))
 
+  def check_differentiated(self, program, tags):
+    """``capture(jax.grad(f))`` against the explicit program.
+
+    capture collects primal values of sows and the cotangents at perturbs,
+    which are the gradient with respect to a zero added there.
+    """
+    x, p = jnp.asarray(X0), jnp.asarray(P0)
+    f = _sown_program(program)
+    explicit = Explicit(program, tags)
+    eps = explicit.zero_eps(x, p)
+
+    def loss_explicit(x, eps, p):
+      y, aux = explicit.fn(x, p, eps)
+      return jnp.sum(y), aux
+
+    out, collected = capture(jax.grad(_loss(f)), tags=tags)(x, p)
+    (want_out, cotangents), (accs, vals) = jax.grad(
+        loss_explicit, argnums=(0, 1), has_aux=True
+    )(x, eps, p)
+    plain_out = jax.grad(_loss(f))(x, p)
+    # The same gradient computation with and without capture.
+    np.testing.assert_allclose(out, plain_out, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
+    self.assert_collected(
+        collected, explicit.expected(accs, vals, cotangents)
+    )
+
   @_settings('differential')
   @hypothesis.given(
       program=_bodies(MAX_DEPTH),
@@ -1442,37 +1897,19 @@ class PropertyTest(parameterized.TestCase):
       # differentiates again: which pass's cotangent is collected is not
       # specified (docs/guide.md, perturb).
       hypothesis.assume(not _under_ad_node(program, 'perturb'))
+    if outer == 'grad':
+      self.check_differentiated(program, tags)
+      return
     x, p = jnp.asarray(X0), jnp.asarray(P0)
     f = _sown_program(program)
     explicit = Explicit(program, tags)
-    if outer == 'grad':
-      # Differentiate the program: capture collects primal values of sows
-      # and the cotangents at perturbs, which are the gradient with respect
-      # to a zero added there.
-      eps = explicit.zero_eps(x, p)
-
-      def loss_explicit(x, eps, p):
-        y, aux = explicit.fn(x, p, eps)
-        return jnp.sum(y), aux
-
-      out, collected = capture(jax.grad(_loss(f)), tags=tags)(x, p)
-      (want_out, cotangents), (accs, vals) = jax.grad(
-          loss_explicit, argnums=(0, 1), has_aux=True
-      )(x, eps, p)
-      plain_out = jax.grad(_loss(f))(x, p)
-      # The same gradient computation with and without capture.
-      np.testing.assert_allclose(out, plain_out, rtol=1e-6, atol=1e-6)
-      np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
-      expected = explicit.expected(accs, vals, cotangents)
-    else:
-      wrap = jax.jit if outer == 'jit' else (lambda f: f)
-      out, collected = wrap(capture(f, tags=tags))(x, p)
-      want_out, (accs, vals) = wrap(explicit.fn)(x, p)
-      plain_out = wrap(f)(x, p)
-      np.testing.assert_allclose(out, plain_out, rtol=1e-6, atol=1e-6)
-      np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
-      expected = explicit.expected(accs, vals)
-    self.assert_collected(collected, expected)
+    wrap = jax.jit if outer == 'jit' else (lambda f: f)
+    out, collected = wrap(capture(f, tags=tags))(x, p)
+    want_out, (accs, vals) = wrap(explicit.fn)(x, p)
+    plain_out = wrap(f)(x, p)
+    np.testing.assert_allclose(out, plain_out, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
+    self.assert_collected(collected, explicit.expected(accs, vals))
 
   @_settings('closure')
   @hypothesis.given(
@@ -1563,6 +2000,92 @@ class PropertyTest(parameterized.TestCase):
     base = {k: v for k, v in base.items() if k not in perturbs}
     self.assert_collected(collected, base, rtol=1e-5)
 
+  @_settings('perturb_in_cond')
+  @hypothesis.given(
+      head=st.lists(_nodes(0, PERTURB_IN_COND_CTX), max_size=2),
+      cond=_nodes(1, PERTURB_IN_COND_CTX, force='cond'),
+      rest=st.lists(_nodes(0, PERTURB_IN_COND_CTX), max_size=2),
+      around=st.sampled_from(['none', 'jit', 'scan']),
+      tags=_tags_strategy(),
+  )
+  def test_perturb_in_cond_under_vmap(self, head, cond, rest, around, tags):
+    # perturbs in the branches of a cond in a vmap body (on a batched
+    # predicate when the cond switches on x), differentiated outside the
+    # vmap: one entry per perturb site, the taken branch's cotangent per
+    # example, which is the gradient with respect to a zero added there.
+    body = (*head, cond, *rest)
+    for kind in ('cvmap', 'remat_opt', 'perturb'):
+      # As in test_capture_matches_explicit_program.
+      hypothesis.assume(not _under_ad_node(body, kind))
+    program = (('vmap', body),)
+    if around == 'jit':
+      program = (('jit', program),)
+    elif around == 'scan':
+      program = (('scan', program, 2, False),)
+    self.check_differentiated(program, tags)
+
+  @_settings('key_order')
+  @hypothesis.given(
+      program=st.one_of(
+          _bodies(MAX_DEPTH).map(_unique_names), _nested_loop_programs()
+      ),
+      transform=st.sampled_from(sorted(KEY_ORDER_TRANSFORMS)),
+      tags=_tags_strategy(),
+  )
+  def test_key_order_under_transforms(self, program, transform, tags):
+    # SPEC *Invariance*: capture(T(f)) collects the same names in the same
+    # key order as capture(f) (perturb names left out: they only hold
+    # cotangents under reverse mode).
+    if transform in FORWARD_MODE:
+      for kind in ('cvjp', 'cvjp_skip', 'remat_opt', 'cvmap'):
+        hypothesis.assume(not _contains(program, kind))
+    for kind in ('cvmap', 'remat_opt'):
+      hypothesis.assume(not _under_ad_node(program, kind))
+    x, p = jnp.asarray(X0), jnp.asarray(P0)
+    f = _sown_program(program)
+    perturbs = Explicit(program, tags).perturb_names()
+    keys = lambda c: [k for k in c if k not in perturbs]
+    _, base = capture(f, tags=tags)(x, p)
+    t_f = KEY_ORDER_TRANSFORMS[transform](f)
+    _, collected = capture(t_f, tags=tags)(x, p)
+    self.assertEqual(keys(collected), keys(base))
+
+  @_settings('intervene')
+  @hypothesis.given(
+      program=_iv_bodies(MAX_DEPTH),
+      outer=st.sampled_from(['eager', 'jit', 'grad']),
+      data=st.data(),
+  )
+  def test_intervene_matches_replaced_program(self, program, outer, data):
+    # intervene(f, values) is f with each replaced sow returning its
+    # replacement: derivatives taken inside f are those of the replaced
+    # program (an array replacement is a constant, a callable contributes
+    # its own derivative).
+    x, p = jnp.asarray(X0), jnp.asarray(P0)
+    f = _iv_program(program)
+    array_ok = _iv_array_ok(program)
+    callables, arrays, layout = {}, {}, None
+    for i, name in enumerate(_iv_counts(program)):
+      modes = ['keep', 'callable'] + ['array'] * 2 * (name in array_ok)
+      mode = data.draw(st.sampled_from(modes), label=f'mode of {name!r}')
+      if mode == 'callable':
+        k = data.draw(st.integers(0, len(IV_CALLABLES) - 1), label='fn')
+        callables[name] = IV_CALLABLES[k]
+      elif mode == 'array':
+        if layout is None:
+          layout = jax.eval_shape(capture(f), x, p)[1]
+        arrays[name] = tuple(
+            _iv_constant(s, 10 * i + j) for j, s in enumerate(layout[name])
+        )
+    hypothesis.assume(callables or arrays)
+    got = intervene(f, {**callables, **arrays})
+    want = _iv_program(program, callables, arrays)
+    if outer == 'grad':
+      got, want = jax.grad(_loss(got)), jax.grad(_loss(want))
+    elif outer == 'jit':
+      got, want = jax.jit(got), jax.jit(want)
+    np.testing.assert_allclose(got(x, p), want(x, p), rtol=2e-5, atol=2e-5)
+
   @_settings('invalid')
   @hypothesis.given(
       program=_bodies(1),
@@ -1595,6 +2118,94 @@ class PropertyTest(parameterized.TestCase):
         repr(name) in message or str(name) in message,
         f'the error does not name {name!r}: {message}',
     )
+
+
+class ReferenceTest(absltest.TestCase):
+  """The references of the new properties against programs written by
+  hand without sow (a property that fails on correct code is worse than
+  none)."""
+
+  def test_intervene_reference_under_grad(self):
+    x, p = jnp.asarray(X0), jnp.asarray(P0)
+    program = (('igrad', (('isow', 'a', 0, 'x'), ('op', 2))),)
+    # d/dz sum(r * 1.25 + 0.5): 0 for an array r, 1.25 for r = z, 0.625
+    # for r = 0.5 * z.
+    array = (np.full(2, 5.0, np.float32),)
+    for callables, arrays, slope in (
+        ({}, {}, 1.25),
+        ({}, {'a': array}, 0.0),
+        ({'a': IV_CALLABLES[0]}, {}, 0.625),
+    ):
+      got = _iv_program(program, callables, arrays)(x, p)
+      np.testing.assert_allclose(got, x + 0.5 * slope, rtol=1e-6)
+
+  def test_intervene_reference_rows_of_a_reversed_scan(self):
+    x, p = jnp.asarray(X0), jnp.asarray(P0)
+    body = (('igrad', (('isow', 'a', 1, 'x'), ('op', 0))),)
+    r = np.array([[0.2, -0.4], [1.0, 0.3]], np.float32)
+
+    def by_hand(x):
+      for i in (1, 0):
+        x = x + 0.25 * i
+        g = lambda z, i=i: jnp.sum(jnp.sin(z + 0.5 * jnp.tanh(r[i])))
+        x = x + 0.5 * jax.grad(g)(x)
+      return x
+
+    got = _iv_program((('scan', body, 2, True),), {}, {'a': (r,)})(x, p)
+    np.testing.assert_allclose(got, by_hand(x), rtol=1e-6)
+
+  def test_intervene_reference_callable_under_jvp_in_vmap(self):
+    x, p = jnp.asarray(X0), jnp.asarray(P0)
+    program = (('vmap', (('ijvp', (('isow', 'c', 2, 'x'), ('op', 1))),)),)
+
+    def one(xi):
+      def g(z):
+        r = jnp.sin(jnp.sum(z)) * 0.5 + 0.2
+        return jnp.tanh(z + 0.3 * jnp.tanh(r))
+
+      y, t = jax.jvp(g, (xi,), (jnp.ones(2),))
+      return y + 0.5 * t
+
+    want = one(x) * 0.75 + one(0.5 - x) * 0.25
+    got = _iv_program(program, {'c': IV_CALLABLES[1]}, {})(x, p)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+  def test_intervene_reference_rows_of_a_vmap_and_python_loop(self):
+    x, p = jnp.asarray(X0), jnp.asarray(P0)
+    branches = ((('op', 0),), (('op', 1),))
+    program = (('vmap', (('icond', branches, (('isow', 'a', 0, 'x'),), 'p'),)),)
+    r = np.array([[0.2, -0.4], [1.0, 0.3]], np.float32)
+    got = _iv_program(program, {}, {'a': (r,)})(x, p)
+    np.testing.assert_allclose(got, r[0] * 0.75 + r[1] * 0.25, rtol=1e-6)
+    # A pullback of a constant is zero; one entry per Python iteration.
+    body = (('vjp', (('isow', 'a', 0, 'x'), ('op', 0)), 2),)
+    program = (('pyloop', body, 2),)
+    r0, r1 = np.float32([0.1, 0.2]), np.float32([-0.3, 0.7])
+    got = _iv_program(program, {}, {'a': (r0, r1)})(x, p)
+    np.testing.assert_allclose(got, jnp.sin(r1), rtol=1e-6)
+
+  def test_perturb_in_cond_reference(self):
+    # vmap over [x, 0.5 - x] of a switch on sum(x) whose branches perturb
+    # and then scale by 2 or 3; the output mixes the examples 0.75/0.25.
+    x, p = jnp.asarray(X0), jnp.asarray(P0)
+    branches = (
+        (('perturb', 'dx', None), ('op', 2)),
+        (('perturb', 'dx', None), ('op', 2), ('op', 2)),
+    )
+    program = (('vmap', (('cond', branches, (), 'x'),)),)
+    explicit = Explicit(program)
+    eps = explicit.zero_eps(x, p)
+    self.assertLen(eps, 1)
+    grads = jax.grad(
+        lambda x, eps: jnp.sum(explicit.fn(x, p, eps)[0]), argnums=(0, 1)
+    )(x, eps)
+    # sum(X0) < 0: example 0 takes branch 0 (slope 1.25), example 1
+    # branch 1 (slope 1.25 ** 2).
+    want = np.float32([[0.75 * 1.25] * 2, [0.25 * 1.25**2] * 2])
+    np.testing.assert_allclose(grads[1][0], want, rtol=1e-6)
+    expected = explicit.expected(*explicit.fn(x, p, eps)[1], grads[1])
+    self.assertEqual(list(expected), ['dx'])
+    np.testing.assert_allclose(expected['dx'][0], want, rtol=1e-6)
 
 
 if __name__ == '__main__':

@@ -122,6 +122,24 @@ class HookTest(absltest.TestCase):
     ref = jax.grad(lambda x: _blocks(x, scale=[0.5] * 3).sum())
     np.testing.assert_allclose(g(x), ref(x), rtol=1e-5)
 
+  def test_a_derivative_inside_sees_only_the_selected_replacements(self):
+    def h(y):
+      return sow(y, name='a') * 2.0 + sow(y * 3.0, name='b')
+
+    g = lambda z: jax.grad(lambda q: h(q).sum())(z)
+    x = jnp.array([1.0, 2.0])
+    half = lambda n, v: 0.5 * v
+    # By hand: d/dy of 2 a(y) + b(3y) with a or b halved.
+    np.testing.assert_allclose(intervene(g, half, names=['a'])(x), [4.0, 4.0])
+    np.testing.assert_allclose(
+        intervene(g, half, names=lambda n: n == 'b')(x), [3.5, 3.5]
+    )
+    np.testing.assert_allclose(jax.jit(intervene(g, half))(x), [2.5, 2.5])
+
+  def test_a_model_with_no_sow_points_to_module_outputs(self):
+    with self.assertRaisesRegex(ValueError, 'module_outputs'):
+      intervene(lambda x: x * 2, {'h': lambda v: v})(1.0)
+
   def test_names_needs_a_hook(self):
     with self.assertRaisesRegex(TypeError, 'names= selects the sows of a hook'):
       intervene(_blocks, {'a': lambda v: v}, names=['a'])

@@ -97,5 +97,8 @@ def did_you_mean(name: tp.Any, sown: tp.Iterable[tp.Any]) -> str:
   listed = ', '.join(map(repr, sown[:10]))
   more = f' and {len(sown) - 10} more' if len(sown) > 10 else ''
   if not sown:
-    return hint + ' The program sows no name here.'
+    return hint + (
+        ' The program sows no name here (for an NNX model with no sow in'
+        ' its code, module_outputs(f) makes its module calls hook points).'
+    )
   return f'{hint} The program sows: {listed}{more}.'

@@ -131,7 +131,7 @@ def module_outputs(
   >>> import jax.numpy as jnp
   >>> from flax import nnx
   >>> from flax.nnx.sow import capture, intervene
-  >>> from flax.nnx.sow.nnx.hooks import module_outputs
+  >>> from flax.nnx.sow import module_outputs
   >>> model = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), nnx.relu)
   >>> f = module_outputs(lambda m, x: m(x), nnx.Linear)
   >>> _, collected = capture(f)(model, jnp.ones((1, 2)))

@@ -132,6 +132,26 @@ class ModuleOutputsTest(absltest.TestCase):
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
     self.assertIn(('grad', 'blocks', 1, '__call__'), c.cotangents)
 
+  def test_input_hook_points_ablate_one_head(self):
+    attn = self.model.blocks[0].attn
+    e = self.model.embed(self.x)
+    q, k, v = attn.query(e), attn.key(e), attn.value(e)
+    z = nnx.dot_product_attention(q, k, v)  # (batch, length, heads, dim)
+    self.assertEqual(z.shape, (2, 5, 2, 2))
+    by_hand = attn.out(z.at[..., 1, :].set(0.0))
+
+    is_out = lambda path, m: path[-1:] == ('out',)
+    f = module_outputs(lambda m, x: m.blocks[0].attn(m.embed(x)), is_out,
+                       inputs=True)
+    name = ('blocks', 0, 'attn', 'out', '__call__', 'input')
+    _, c = capture(f)(self.model, self.x)
+    self.assertEqual(list(c), [name, name[:-1]])
+    np.testing.assert_allclose(c[name][0], z, rtol=1e-5, atol=1e-6)
+    ablate = lambda n, z: z.at[..., 1, :].set(0.0)
+    for wrap in (lambda f: f, jax.jit):
+      out = wrap(intervene(f, ablate, names=[name]))(self.model, self.x)
+      np.testing.assert_allclose(out, by_hand, rtol=1e-5, atol=1e-6)
+
   def test_classes_are_restored_after_the_call_and_an_exception(self):
     before = vars(nnx.Linear)['__call__']
 

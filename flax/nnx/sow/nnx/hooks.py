@@ -68,6 +68,7 @@ Selector = tp.Callable[[tuple, tp.Any], bool]
 class _Request:
   select: Selector
   grad: bool
+  inputs: bool
 
 
 class _Local(threading.local):
@@ -115,6 +116,7 @@ def module_outputs(
     modules: tp.Any = True,
     *,
     grad: bool = False,
+    inputs: bool = False,
 ) -> tp.Callable[..., tp.Any]:
   """``f`` with the outputs of NNX module calls as hook points.
 
@@ -149,6 +151,11 @@ def module_outputs(
     grad: also mark each output as ``sow(..., grad=True)`` does: a capture
       of a differentiated ``f`` collects the cotangent of the output under
       ``('grad', *path, '__call__')`` (attribution patching).
+    inputs: also make the first positional argument of each selected call a
+      hook point, under ``(*path, '__call__', 'input')``, before the module
+      runs: a replacement is what the module receives (e.g. the per-head
+      values that an attention's output projection mixes, TransformerLens'
+      ``hook_z``).
 
   Returns:
     A function with ``f``'s signature and return value.
@@ -158,7 +165,7 @@ def module_outputs(
     ValueError: (when called) a selected module would share its path with
       another module (see ``Module.sow``).
   """
-  request = _Request(_selector(modules), grad)
+  request = _Request(_selector(modules), grad, inputs)
 
   @functools.wraps(f)
   def hooked(*args, **kwargs):
@@ -214,11 +221,14 @@ def _method_wrapper(method_name: str, method):
 
   @functools.wraps(method)
   def wrapper(self, *args, **kwargs):
+    hooked = method_name == '__call__' and SCOPES.scopes and _LOCAL.requests
+    if hooked and args:
+      args = (_hook_point(self, args[0], 'input'), *args[1:])
     result = method(self, *args, **kwargs)
     if not SCOPES.scopes:
       return result
     method_output_recorder(self, method_name, result)
-    if method_name == '__call__' and _LOCAL.requests:
+    if hooked:
       result = _hook_point(self, result)
     return result
 
@@ -236,19 +246,19 @@ def _named(self, scopes, what: str):
     ) from None
 
 
-def _hook_point(self, result):
-  if not jax.tree.leaves(result) or not _is_array_tree(result):
-    return result
+def _hook_point(self, value, what: str | None = None):
+  """``value`` (the output, or with ``what='input'`` the first argument)
+  sown for the innermost request that selects ``self``."""
+  if not jax.tree.leaves(value) or not _is_array_tree(value):
+    return value
   found = _named(self, list(reversed(SCOPES.scopes)), 'module_outputs')
   if found is None:
-    return result
+    return value
   _, path = found
   for request in reversed(_LOCAL.requests):
     if request.select(path, self):
-      return _core_sow(
-          result,
-          name=(*path, '__call__'),
-          tag=ModuleOutput,
-          grad=request.grad,
-      )
-  return result
+      if what is not None and not request.inputs:
+        return value
+      name = (*path, '__call__') + ((what,) if what else ())
+      return _core_sow(value, name=name, tag=ModuleOutput, grad=request.grad)
+  return value

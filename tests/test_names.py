@@ -14,6 +14,8 @@
 
 """Names as paths, and errors that say which name a mistyped one meant."""
 
+import warnings
+
 from absl.testing import absltest
 import jax
 import jax.numpy as jnp
@@ -23,6 +25,7 @@ from flax.nnx.sow import as_path
 from flax.nnx.sow import capture
 from flax.nnx.sow import intervene
 from flax.nnx.sow import sow
+from flax.nnx.sow.capturing import UnusedNameWarning
 from flax.nnx.sow.names import closest
 
 
@@ -91,6 +94,36 @@ class InterveneKeyErrorTest(absltest.TestCase):
   def test_the_right_key_works_under_jit(self):
     out = jax.jit(intervene(_net, {('h',): lambda v: v * 0.0}))(jnp.ones(2))
     np.testing.assert_allclose(out, [-3.0, -3.0])
+
+
+class CaptureNamesReportTest(absltest.TestCase):
+
+  def _warnings(self, names, wrap=lambda f: f):
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter('always')
+      _, c = wrap(capture(_net, names=names))(jnp.ones(2))
+    return c, [str(w.message) for w in caught
+               if issubclass(w.category, UnusedNameWarning)]
+
+  def test_a_typo_is_reported_with_the_closest_names(self):
+    for wrap in (lambda f: f, jax.jit):
+      c, msgs = self._warnings(['blocks/0/out'], wrap)
+      self.assertEqual(dict(c), {})
+      self.assertEqual(msgs, [
+          "capture: names= lists 'blocks/0/out', but no sow of that name was"
+          " collected. Did you mean ('blocks', 0, 'out')?"
+      ])
+      _, msgs = self._warnings(['hiden'], wrap)
+      self.assertIn("Did you mean 'hidden'?", msgs[0])
+      _, msgs = self._warnings(['h'], wrap)
+      self.assertIn("Did you mean ('h',)?", msgs[0])
+
+  def test_names_that_collect_and_predicates_are_silent(self):
+    c, msgs = self._warnings([('h',), 'hidden'])
+    self.assertEqual(list(c), [('h',), 'hidden'])
+    self.assertEqual(msgs, [])
+    _, msgs = self._warnings(lambda n: n == 'nothing')
+    self.assertEqual(msgs, [])
 
 
 if __name__ == '__main__':

@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import threading
 import typing as tp
+import warnings
 import weakref
 
 import jax
@@ -37,10 +38,12 @@ import numpy as np
 from flax.nnx.sow import _jax
 from flax.nnx.sow import _jax_patches
 from flax.nnx.sow import api
+from flax.nnx.sow import names as names_lib
 from flax.nnx.sow import primitive as primitive_lib
 from flax.nnx.sow import sites
 from flax.nnx.sow import toplevel
 from flax.nnx.sow.primitive import Name
+from flax.nnx.sow.primitive import passed_over
 from flax.nnx.sow.primitive import staging
 from flax.nnx.sow.sites import Selection
 from flax.nnx.sow.sites import tags_of
@@ -136,15 +139,42 @@ def capture(
   def captured(*args, **kwargs):
     key = sites.for_call(accepts_key)  # see sites.NameDecisions
     try:
-      out = eager_calls(key, args, kwargs)
-      if out is not None:
-        return out
-      return _capture_call(f, key, args, kwargs)
+      with passed_over() as seen:
+        out = eager_calls(key, args, kwargs)
+        if out is None:
+          out = _capture_call(f, key, args, kwargs)
+      _report_unused_names(key, out[1], seen)
+      return out
     finally:
       sites.release(key)
 
   captured._sow_captured = (f, tags, names)  # pylint: disable=protected-access
   return captured
+
+
+class UnusedNameWarning(UserWarning):
+  """``capture(names=[...])`` collected nothing for one of the names."""
+
+
+def _report_unused_names(key, collected, seen: dict) -> None:
+  """Warns, with the closest names sown, when a name of a ``names=`` set
+  collected nothing (a typo, or a sow that did not run this call)."""
+  if not (isinstance(key, Selection) and isinstance(key.names, frozenset)):
+    return
+  missing = [n for n in key.names if n not in collected]
+  if not missing:
+    return
+  name = sorted(missing, key=repr)[0]
+  hint = names_lib.closest(name, seen)
+  warnings.warn(
+      f'capture: names= lists {name!r}, but no sow of that name was'
+      ' collected' + (
+          f'. Did you mean {" or ".join(map(repr, hint))}?' if hint else
+          ' (check the name: capture(f) without names= returns them all).'
+      ),
+      UnusedNameWarning,
+      stacklevel=3,
+  )
 
 
 def check_tags(tags, transform: str) -> frozenset | None:

@@ -131,6 +131,17 @@ class M(nnx.Module):
     return x
 out = nnx.capture(M(), nnx.Intermediate)(jnp.ones(2))
 """,
+    'python_numbers_from_init': """
+class M(nnx.Module):
+  def __call__(self, x):
+    self.sow(nnx.Intermediate, 'f', 0.1)
+    self.sow(nnx.Intermediate, 'n', 1, init_fn=lambda: 0,
+             reduce_fn=lambda a, b: a + b)
+    return x
+m = M()
+_, first = nnx.capture(m, nnx.Intermediate)(jnp.ones(2))
+out = nnx.capture(m, nnx.Intermediate, init=first)(jnp.ones(2))
+""",
     'python_numbers_in_nnx_jit': """
 class M(nnx.Module):
   def __call__(self, x):

@@ -408,16 +408,19 @@ def module_sow(
   where = _where(self, variable_type, name, 'sow')
   init = scope.init.get(full)
   has_init = init is not None and init[0] is variable_type
+  key = (full, variable_type)
   held = _NOTHING
   if has_init:
     # init= holds this sow's starting value (Flax sets the attribute to it
     # before the call): the accumulator starts from it (a tuple of values
     # for the default reduce_fn, which then appends to it).
     held = init[1]
-  elif accepted and scope.kind == 'nnx':
-    held = _fold_in_python(
-        scope, (full, variable_type), value, reduce_fn, init_fn
-    )
+    if accepted and scope.kind == 'nnx' and _no_arrays(held):
+      # A Python value: Flax folds on from it in Python.
+      if key not in scope.to_core:
+        scope.python.setdefault(key, held)
+  if accepted and scope.kind == 'nnx' and (not has_init or key in scope.python):
+    held = _fold_in_python(scope, key, value, reduce_fn, init_fn)
     if held is _IN_PYTHON:
       return True
   if reduce_fn is _TUPLE_REDUCE and not has_init:
@@ -426,8 +429,8 @@ def module_sow(
     _to_core(where, lambda: _core_sow(value, name=full, tag=variable_type))
     return accepted
   frames = _slicing(self, scope, variable_type, name, 'sow')
-  if has_init:
-    held = slices.init_row(frames, (full, variable_type), init[1])
+  if has_init and held is init[1]:
+    held = slices.init_row(frames, key, init[1])
   if held is not _NOTHING:
     if not has_init and not scope.at_top():
       scope.forget_traces()  # this trace holds ``held`` as a constant

@@ -87,7 +87,8 @@ method_output_recorder: tp.Callable[[tp.Any, str, tp.Any], None] = (
 )
 
 
-def _is_array_tree(value) -> bool:
+def is_array_tree(value) -> bool:
+  """Whether every leaf of ``value`` is an array or a scalar (sowable)."""
   scalars = (bool, int, float, complex, np.generic)
   return all(
       isinstance(leaf, (jax.Array, np.ndarray, jax.core.Tracer, *scalars))
@@ -249,7 +250,7 @@ def _named(self, scopes, what: str):
 def _hook_point(self, value, what: str | None = None):
   """``value`` (the output, or with ``what='input'`` the first argument)
   sown for the innermost request that selects ``self``."""
-  if not jax.tree.leaves(value) or not _is_array_tree(value):
+  if not jax.tree.leaves(value) or not is_array_tree(value):
     return value
   found = _named(self, list(reversed(SCOPES.scopes)), 'module_outputs')
   if found is None:

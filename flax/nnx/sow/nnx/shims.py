@@ -156,14 +156,6 @@ def _state_sow(scope, frames, value, full, tag) -> None:
   _reduced_sow(scope, frames, value, full, tag, _last, zeros, True)
 
 
-def _is_array_tree(value) -> bool:
-  scalars = (bool, int, float, complex, np.generic)
-  return all(
-      isinstance(leaf, (jax.Array, np.ndarray, jax.core.Tracer, *scalars))
-      for leaf in jax.tree.leaves(value)
-  )
-
-
 def _no_arrays(value) -> bool:
   """Whether no leaf of ``value`` is an array (Python numbers, strings...)."""
   arrays = (jax.Array, np.ndarray, np.generic, jax.core.Tracer)
@@ -520,7 +512,7 @@ def _record_method_output(self, method_name: str, result) -> None:
     # Kept in Python where Flax keeps it (a str, a Python number); an
     # output with no array leaf inside a transform is not recorded.
     held = _fold_in_python(scope, key, result, _TUPLE_REDUCE, _TUPLE_INIT)
-    if held is not _IN_PYTHON and _is_array_tree(result):
+    if held is not _IN_PYTHON and hooks.is_array_tree(result):
       if held is not _NOTHING:
         scope.prefix[key] = held
       _core_sow(result, name=full, tag=scope.method_outputs)

@@ -318,15 +318,7 @@ class Replacements:
 
   def _sown_names(self, jaxpr: _jax.Jaxpr) -> list[Name]:
     """The names of the sows this intervene's tags accept, in order."""
-    return [
-        s.name
-        for s in sow_sites(jaxpr)
-        if not s.eqn.params['remat_copy']
-        and s.eqn.params['kind'] in _REPLACEABLE_KINDS
-        and accepts(
-            self.accepts_key, s.eqn.params['tag'], None, 'value', s.name
-        )
-    ]
+    return [s.name for s in replaceable_sites(jaxpr, self.accepts_key)]
 
   def finish(self) -> None:
     """The count check of ``strict=True`` once the whole program has run."""
@@ -821,6 +813,18 @@ def intervene(
   return intervened
 
 
+def replaceable_sites(jaxpr: _jax.Jaxpr, accepts_key) -> list:
+  """The sow sites under ``jaxpr`` that an intervene with ``accepts_key``
+  (its tags) could replace, whatever their name, in program order."""
+  return [
+      s
+      for s in sow_sites(jaxpr)
+      if not s.eqn.params['remat_copy']
+      and s.eqn.params['kind'] in _REPLACEABLE_KINDS
+      and accepts(accepts_key, s.eqn.params['tag'], None, 'value', s.name)
+  ]
+
+
 @dataclasses.dataclass(frozen=True)
 class Hook:
   """``intervene(f, hook, names=...)``: one ``hook(name, value)`` for every
@@ -831,13 +835,7 @@ class Hook:
 
   def per_name(self, jaxpr, accepts_key, strict: bool) -> dict[Name, tp.Any]:
     """One callable per selected name the program sows (not reduced)."""
-    sites = [
-        s
-        for s in sow_sites(jaxpr)
-        if not s.eqn.params['remat_copy']
-        and s.eqn.params['kind'] in _REPLACEABLE_KINDS
-        and accepts(accepts_key, s.eqn.params['tag'], None, 'value', s.name)
-    ]
+    sites = replaceable_sites(jaxpr, accepts_key)
     sown = list(dict.fromkeys(s.name for s in sites))
     reduced = {s.name for s in sites if s.reduction is not None}
     if isinstance(self.names, frozenset):

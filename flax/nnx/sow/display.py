@@ -37,8 +37,7 @@ def _leaf(x: tp.Any) -> str:
 
 
 def _leaves(value: tp.Any) -> str:
-  leaves = jax.tree_util.tree_leaves(value)
-  shown = sorted(set(map(_leaf, leaves)), key=list(map(_leaf, leaves)).index)
+  shown = list(dict.fromkeys(map(_leaf, jax.tree_util.tree_leaves(value))))
   if len(shown) > 3:
     shown = [*shown[:3], f'... ({len(shown) - 3} more)']
   return ', '.join(shown) if shown else '(no leaves)'

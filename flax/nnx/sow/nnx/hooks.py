@@ -177,14 +177,13 @@ def module_outputs(
 
 
 def _module_classes() -> list[type]:
-  seen, todo = [], [nnx.Module]
+  seen, todo = {}, [nnx.Module]
   while todo:
-    cls = todo.pop()
-    for sub in cls.__subclasses__():
+    for sub in todo.pop().__subclasses__():
       if sub not in seen:
-        seen.append(sub)
+        seen[sub] = None
         todo.append(sub)
-  return seen
+  return list(seen)
 
 
 @contextlib.contextmanager
@@ -223,7 +222,7 @@ def _method_wrapper(method_name: str, method):
   @functools.wraps(method)
   def wrapper(self, *args, **kwargs):
     hooked = method_name == '__call__' and SCOPES.scopes and _LOCAL.requests
-    if hooked and args:
+    if hooked and args and any(r.inputs for r in _LOCAL.requests):
       args = (_hook_point(self, args[0], 'input'), *args[1:])
     result = method(self, *args, **kwargs)
     if not SCOPES.scopes:

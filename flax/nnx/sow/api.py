@@ -151,8 +151,9 @@ def sow(
   compiles to nothing and carries no effect (a jitted function keeps JAX's
   fast dispatch path); while a capture stages its function the primitive
   carries ``SowEffect``, so an unused sow survives until it is collected.
-  Inside one, the value is returned by the capture under ``name``. The idea follows oryx's ``harvest`` (``sow``/``reap``), built as a
-  jaxpr rewrite in the style of JAX's ``checkify``.
+  Inside one, the value is returned by the capture under ``name``. The idea
+  follows oryx's ``harvest`` (``sow``/``reap``), built as a jaxpr rewrite in
+  the style of JAX's ``checkify``.
 
   >>> import jax.numpy as jnp
   >>> from flax.nnx.sow import capture, sow

@@ -423,6 +423,37 @@ class InnerDerivativeTest(parameterized.TestCase):
     assert_close(out, jax.jacfwd(lambda y: h(y, None, FN))(X))
     assert_close(collected['a'], (np.stack([FN(np.cos(X) * X)] * 3),))
 
+  def test_jacfwd_with_an_array_raises_naming_the_sow(self):
+    # An array replacement carries jacfwd's basis axis (capture's layout),
+    # which the primal, returned with out_axes=None, cannot have: an error
+    # naming the sow and the fix, under jit and in a capture too.
+    g = lambda z: jax.jacfwd(lambda y: h(y, None, 'sow'))(z)
+    basis = jnp.stack([jnp.asarray(C)] * 3)
+    for rep in (C, basis):
+      for run in (
+          intervene(g, {'a': (rep,)}),
+          jax.jit(intervene(g, {'a': (rep,)})),
+          lambda x: capture(intervene(g, {'a': (rep,)}))(x)[0],
+      ):
+        with self.assertRaisesRegex(
+            ValueError, "sow 'a' sits in a `jax.vmap`.*callable.*outside"
+        ):
+          run(X)
+    # The two fixes it names give the replaced program's derivative.
+    expected = jax.jacfwd(lambda y: h(y, C, 'const'))(jnp.asarray(X))
+    assert_close(intervene(g, {'a': lambda v: jnp.asarray(C)})(X), expected)
+    outside = jax.jacfwd(intervene(lambda y: h(y, None, 'sow'), {'a': (C,)}))
+    assert_close(outside(X), expected)
+    # A vmap that maps its outputs takes a replacement per example.
+    reps = basis * jnp.arange(1.0, 4.0)[:, None]
+    per_example = intervene(
+        lambda z: jax.vmap(lambda y: h(y, None, 'sow'))(z), {'a': (reps,)}
+    )
+    xs = np.stack([X] * 3)
+    assert_close(
+        per_example(xs), jax.vmap(lambda y, r: h(y, r, 'const'))(xs, reps)
+    )
+
   def test_no_intervene_no_markers(self):
     # Outside intervene a derivative of a sow is the identity's.
     g = lambda z: jax.grad(_sum(lambda y: h(y, None, 'sow')))(z)

@@ -872,6 +872,21 @@ def _hook(values, names_) -> Hook:
   return Hook(values, names_)
 
 
+def _unmapped_output_error(names) -> ValueError:
+  names = ', '.join(repr(n) for n in dict.fromkeys(names))
+  return ValueError(
+      f'intervene: sow {names} sits in a `jax.vmap` over which its value'
+      ' does not vary, and values[...] replaces it by arrays, which carry'
+      " the vmap's axis (the layout capture returns: one replacement per"
+      ' example), so what the replacement flows into is batched too; that'
+      ' vmap returns it with out_axes=None, which a batched output cannot'
+      ' have (`jax.jacfwd` and `jax.hessian` map their basis so). Pass a'
+      ' callable (values[name] = lambda v: replacement), which keeps the'
+      ' value unmapped, or apply that transform outside the intervened'
+      ' function (jax.jacfwd(intervene(f, values)) is exact).'
+  )
+
+
 class _Token:
   """Identifies one ``intervene(...)`` call (see ``cached_rewrite``)."""
 
@@ -887,7 +902,12 @@ def _stage_and_intervene(f, accepts_key, values, strict, token, args, kwargs):
         frozenset(n for n, v in values.items() if isinstance(v, Entries)),
         accepts_key,
     )
-  staged = stage(f, key, args, kwargs)
+  try:
+    staged = stage(f, key, args, kwargs)
+  except ValueError as e:
+    if key.batched_arrays and 'but output was batched' in str(e):
+      raise _unmapped_output_error(key.batched_arrays) from e
+    raise
   if isinstance(values, Hook):
     values = values.per_name(staged.closed.jaxpr, accepts_key, strict)
   injector = Injector(accepts_key, values, strict, token)

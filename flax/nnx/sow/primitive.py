@@ -159,12 +159,17 @@ class Intervening:
   ``names`` (``None``: every name, for a hook that selects its names once
   the program is staged) and ``tags`` (``None``: every tag) say which sows
   it replaces; ``arrays``, which of the names by arrays (the others by
-  callables).
+  callables). ``batched_arrays`` records (for errors) the names replaced by
+  arrays whose sown value did not vary over a ``vmap`` it sits in: their
+  results come back batched (see ``_sow_batch``).
   """
 
   names: frozenset[Name] | None
   arrays: frozenset[Name]
   tags: frozenset | None
+  batched_arrays: list[Name] = dataclasses.field(
+      default_factory=list, compare=False, repr=False
+  )
 
   def replaces(self, params: dict[str, tp.Any]) -> bool:
     return (
@@ -501,6 +506,8 @@ def _sow_batch(axis_data, leaves, dims, **params):
     # ``intervene`` may replace the value per example: every leaf comes
     # back batched. (Only such sows: an unbatched result stays unbatched,
     # as ``vmap(..., out_axes=None)`` and ``jacfwd`` require.)
+    if params['name'] in key.arrays and all(d is None for d in dims):
+      key.batched_arrays.append(params['name'])
     return outs, [0] * n
   outs = [o if d is not None else x for o, x, d in zip(outs, leaves, dims)]
   return outs, [None if d is None else 0 for d in dims[:n]]

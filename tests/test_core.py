@@ -282,6 +282,21 @@ class OutsideCaptureTest(absltest.TestCase):
     assert_close(collected['unused'][0], np.array([3.0, 6.0]))
 
 
+  def test_a_jaxpr_with_tuple_names_prints(self):
+    # JAX's printer reads an equation's ``name`` param as a str (a jit's
+    # name); a sow keeps its name under another key, so printing a program
+    # with path names works, also under jit and jvp (a perturb's tangent).
+    def f(x):
+      return perturb(sow(x, name=('a', 0)), name=('g', 1)) * 2.0
+
+    x = jnp.ones(2)
+    jvp = lambda x: jax.jvp(f, (x,), (x,))
+    for g in (f, jax.jit(f), jvp):
+      text = str(jax.make_jaxpr(g)(x))
+      self.assertIn("sow_name=('a', 0)", text)
+      self.assertIn("sow_name=('g', 1)", text)
+    self.assertIn('perturb_tangent', str(jax.make_jaxpr(jvp)(x)))
+
 # ----------------------------------------------------------------------------
 # 2. Unused sows and sown constants.
 

@@ -150,7 +150,7 @@ class EntrySpec(tp.NamedTuple):
   def of_sow(cls, p: dict[str, tp.Any], size: int) -> EntrySpec:
     """The entry of a sow with parameters ``p`` that returns ``size`` leaves."""
     return cls(
-        p['name'], p['tag'], p['treedef'], size, p['kind'], p.get('ordinal')
+        p['sow_name'], p['tag'], p['treedef'], size, p['kind'], p.get('ordinal')
     )
 
 
@@ -359,7 +359,7 @@ class Collector:
   def on_sow(self, eqn: _jax.JaxprEqn, invals: list[tp.Any]) -> list[tp.Any]:
     p = eqn.params
     if p['remat_copy'] or not self.accepts(
-        p['tag'], p['reduction'], p['kind'], p['name']
+        p['tag'], p['reduction'], p['kind'], p['sow_name']
     ):
       return _jax.bind_equation(eqn, invals)
     return self.sow(p, invals, where(eqn))
@@ -376,7 +376,7 @@ class Collector:
       self.add_entry(EntrySpec.of_sow(p, 0), [], where_)
       return invals
     if p['kind'] in MARKER_KINDS:
-      self.names.setdefault(p['name'], None)
+      self.names.setdefault(p['sow_name'], None)
       return invals
     n = len(invals) - p['n_closure']
     given = invals[:n]  # returned as they are (NumPy stays NumPy)
@@ -390,9 +390,9 @@ class Collector:
     if p['reduction'] is None:
       self.add_entry(EntrySpec.of_sow(p, len(values)), values, where_)
     else:
-      self.names.setdefault(p['name'], None)
+      self.names.setdefault(p['sow_name'], None)
       self.reduced.fold(
-          p['name'],
+          p['sow_name'],
           p['reduction'],
           p['treedef'],
           values,
@@ -657,12 +657,12 @@ def edit_plain_sows(
   for eqn in jaxpr.eqns:
     p = eqn.params
     if eqn.primitive is sow_p and not p['remat_copy']:
-      if accepts(accepts_key, p['tag'], p['reduction'], p['kind'], p['name']):
+      if accepts(accepts_key, p['tag'], p['reduction'], p['kind'], p['sow_name']):
         if p['reduction'] is not None:
           return None
         operands = renamed(eqn.invars, subst)
         subst.update(zip(eqn.outvars, operands))
-        names.setdefault(p['name'], None)
+        names.setdefault(p['sow_name'], None)
         if p['kind'] == 'perturb':  # the forward marker (see EntrySpec)
           entries.append(EntrySpec.of_sow(p, 0))
         elif p['kind'] not in MARKER_KINDS:

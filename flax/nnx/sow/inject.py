@@ -151,7 +151,7 @@ class Replacements:
   # -- which sows are replaced ---------------------------------------------
 
   def targets(self, params) -> bool:
-    name, kind = params['name'], params['kind']
+    name, kind = params['sow_name'], params['kind']
     return (
         not params['remat_copy']
         and name in self.values
@@ -170,7 +170,7 @@ class Replacements:
             params['tag'],
             params['reduction'],
             'value',
-            params['name'],
+            params['sow_name'],
         )
     )
 
@@ -187,8 +187,8 @@ class Replacements:
     for eqn in jaxpr.eqns:
       p = eqn.params
       if eqn.primitive is sow_p:
-        if self.targets(p) and isinstance(self.values[p['name']], Entries):
-          counts[p['name']] += 1
+        if self.targets(p) and isinstance(self.values[p['sow_name']], Entries):
+          counts[p['sow_name']] += 1
         continue
       subs = list(_jax.jaxprs_in_params(p))
       if not subs or not self.has_work(subs):
@@ -487,7 +487,7 @@ class Injector:
     rebind = eqn.replace(params=dict(p, effect=staging_active()))
     if not self.targets(p):
       return _jax.bind_equation(rebind, invals)
-    name = p['name']
+    name = p['sow_name']
     n = len(invals) - p['n_closure']
     leaves, closure = list(invals[:n]), list(invals[n:])
     value = jax.tree_util.tree_unflatten(p['treedef'], leaves)
@@ -531,7 +531,7 @@ class Injector:
     of this call's callable at the sown value, which it applies exactly as
     :meth:`on_sow` does (vmapped over the sow's ``batch_dims``)."""
     p = eqn.params
-    fn = self.replacements.values[p['name']]
+    fn = self.replacements.values[p['sow_name']]
     n = len(invals) - p['n_closure']
     linear = jax.tree_util.tree_unflatten(p['treedef'], invals[:n])
     value = jax.tree_util.tree_unflatten(p['treedef'], invals[n:])
@@ -543,7 +543,7 @@ class Injector:
     out_leaves, out_treedef = jax.tree_util.tree_flatten(out)
     if out_treedef != p['treedef']:
       raise ValueError(
-          f'intervene: sow {p["name"]!r}{where(eqn)}: values[{p["name"]!r}]'
+          f'intervene: sow {p["sow_name"]!r}{where(eqn)}: values[{p["sow_name"]!r}]'
           f'(value) is {_describe(fn_applied(value))}, but the sown value is'
           f' {_describe(value)}. A replacement must have the structure,'
           ' shape and dtype of the value it replaces.'

@@ -70,8 +70,9 @@ sow_p = _jax.Primitive('sow')
 sow_p.multiple_results = True
 
 
-# The parameters of a sow equation, besides ``name``, ``tag``, ``treedef`` and
-# ``reduction``:
+# The parameters of a sow equation, besides ``sow_name`` (the name; not
+# ``name``, which JAX's jaxpr printer takes for a jit's ``str`` name),
+# ``tag``, ``treedef`` and ``reduction``:
 #
 # * ``kind``: ``'value'`` for ``sow``; ``'cotangent'`` for the cotangent a
 #   ``perturb`` collects (in the backward pass, so in reverse order: a capture
@@ -173,7 +174,7 @@ class Intervening:
 
   def replaces(self, params: dict[str, tp.Any]) -> bool:
     return (
-        (self.names is None or params['name'] in self.names)
+        (self.names is None or params['sow_name'] in self.names)
         and params['kind'] in ('value', 'perturb', KEPT)
         and (self.tags is None or params['tag'] in self.tags)
     )
@@ -302,7 +303,7 @@ def replacing(params: dict[str, tp.Any]) -> Intervening | None:
       if key.replaces(params):
         return key
     elif accepts(
-        key, params['tag'], params['reduction'], params['kind'], params['name']
+        key, params['tag'], params['reduction'], params['kind'], params['sow_name']
     ):
       return None
   return None
@@ -325,7 +326,7 @@ def bind_sow(
   return sow_p.bind(
       *leaves,
       *closure,
-      name=name,
+      sow_name=name,
       tag=tag,
       treedef=treedef,
       reduction=reduction,
@@ -378,7 +379,7 @@ def _sow_jvp(primals, tangents, **params):
     return _marker_jvp(primals, tangents, params)
   tangents = list(tangents[: len(tangents) - params['n_closure']])
   key = replacing(params) if params['effect'] else None
-  if key is not None and params['name'] in key.arrays:
+  if key is not None and params['sow_name'] in key.arrays:
     # Its tangent is taken to be zero: the intervene checks that an entry
     # does replace it (``zero_tangent``, see ``inject.py``).
     params = dict(params, zero_tangent=True)
@@ -390,7 +391,7 @@ def _sow_jvp(primals, tangents, **params):
   tangents = [_jax.instantiate_zeros(t) for t in tangents]
   return out, perturb_tangent_p.bind(
       *tangents,
-      name=params['name'],
+      sow_name=params['sow_name'],
       tag=params['tag'],
       treedef=params['treedef'],
       ordinal=params.get('ordinal'),
@@ -407,7 +408,7 @@ def _replaced_tangents(key: Intervening, primals, tangents, params) -> list:
   """
   if all(type(t) is _jax.Zero for t in tangents):
     return tangents
-  if params['name'] in key.arrays:
+  if params['sow_name'] in key.arrays:
     return [_jax.Zero(_jax.typeof(x).to_tangent_aval()) for x in primals]
   return bind_marker(
       JVP_MARKER, [_jax.instantiate_zeros(t) for t in tangents], primals, params
@@ -419,7 +420,7 @@ def bind_marker(kind: str, linear, primals, params) -> list:
   return sow_p.bind(
       *linear,
       *primals,
-      name=params['name'],
+      sow_name=params['sow_name'],
       tag=params['tag'],
       treedef=params['treedef'],
       reduction=None,
@@ -432,7 +433,7 @@ def bind_marker(kind: str, linear, primals, params) -> list:
 
 
 def _second_order_error(params) -> NotImplementedError:
-  name = params['name']
+  name = params['sow_name']
   return NotImplementedError(
       f'intervene: sow {name!r} is replaced by a callable, and a derivative'
       ' of second order taken inside the intervened function (jax.hessian,'
@@ -489,7 +490,7 @@ def _sow_batch(axis_data, leaves, dims, **params):
       and params['reduction'] is None
       and all(d is None for d in dims)
       and key.replaces(params)
-      and params['name'] not in key.arrays
+      and params['sow_name'] not in key.arrays
   ):
     return _kept_unbatched(axis_data, leaves, params)
   # The sown value gets the mapped axis first, like vmap's outputs; the
@@ -506,8 +507,8 @@ def _sow_batch(axis_data, leaves, dims, **params):
     # ``intervene`` may replace the value per example: every leaf comes
     # back batched. (Only such sows: an unbatched result stays unbatched,
     # as ``vmap(..., out_axes=None)`` and ``jacfwd`` require.)
-    if params['name'] in key.arrays and all(d is None for d in dims):
-      key.batched_arrays.append(params['name'])
+    if params['sow_name'] in key.arrays and all(d is None for d in dims):
+      key.batched_arrays.append(params['sow_name'])
     return outs, [0] * n
   outs = [o if d is not None else x for o, x, d in zip(outs, leaves, dims)]
   return outs, [None if d is None else 0 for d in dims[:n]]
@@ -543,11 +544,11 @@ def _sow_jet(primals, series, **params):
   key = replacing(params) if params['effect'] else None
   if key is None and params['kind'] not in DERIVATIVE_KINDS:
     return out, list(series[: len(out)])
-  if key is not None and params['name'] in key.arrays:
+  if key is not None and params['sow_name'] in key.arrays:
     # A constant replacement: every term of its series is zero.
     return out, [[jnp.zeros_like(x)] * len(s) for x, s in zip(out, series)]
   raise NotImplementedError(
-      f'intervene: sow {params["name"]!r} is replaced by a callable inside'
+      f'intervene: sow {params["sow_name"]!r} is replaced by a callable inside'
       ' jax.experimental.jet, which intervene cannot differentiate there.'
       ' Put jet outside intervene (jet(intervene(f, values), ...)), or'
       ' replace the name by an array.'
@@ -574,14 +575,16 @@ def _perturb_tangent_jvp(primals, tangents, **params):
   )
 
 
-def _perturb_tangent_transpose(cts, *args, name, tag, treedef, ordinal):
+def _perturb_tangent_transpose(
+    cts, *args, sow_name, tag, treedef, ordinal
+):
   cts = [
       _jax.instantiate_zeros(ct) if type(ct) is _jax.Zero else ct for ct in cts
   ]
   del args
   return bind_sow(
       cts,
-      name=name,
+      name=sow_name,
       tag=tag,
       treedef=treedef,
       kind='cotangent',

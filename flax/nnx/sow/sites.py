@@ -243,7 +243,7 @@ def sow_sites(jaxpr: _jax.Jaxpr) -> tuple[SowSite, ...]:
       p = eqn.params
       if not p['remat_copy']:
         sites.append(
-            SowSite(p['name'], p['tag'], p['reduction'], p['kind'], eqn)
+            SowSite(p['sow_name'], p['tag'], p['reduction'], p['kind'], eqn)
         )
     else:
       annotate = site_annotations.get(eqn.primitive)
@@ -270,7 +270,7 @@ def init_order_sites(jaxpr: _jax.Jaxpr) -> list[SowSite]:
       p = eqn.params
       if p['reduction'] is not None and not p['remat_copy']:
         sites.append(
-            SowSite(p['name'], p['tag'], p['reduction'], p['kind'], eqn)
+            SowSite(p['sow_name'], p['tag'], p['reduction'], p['kind'], eqn)
         )
       continue
     subs = list(_jax.jaxprs_in_params(eqn.params))
@@ -331,7 +331,7 @@ def without_value_sows_named(
 
   def edit(params, in_custom_call):
     del in_custom_call
-    if params['kind'] in VALUE_KINDS and params['name'] in names:
+    if params['kind'] in VALUE_KINDS and params['sow_name'] in names:
       return to_remat_copy(params, False)
     return None
 

@@ -116,7 +116,7 @@ class CaptureTrace(_jax.Trace):
     if primitive is sow_p:
       c = self.collector
       if not params['remat_copy'] and c.accepts(
-          params['tag'], params['reduction'], params['kind'], params['name']
+          params['tag'], params['reduction'], params['kind'], params['sow_name']
       ):
         where_ = _Where(_jax.current_source_info())
         with _jax.set_current_trace(self.parent):

@@ -107,7 +107,7 @@ def _others_without_copies(jaxprs):
   in_solve = _copies_in_solve(jaxprs)
 
   def edit(params, in_custom_call):
-    site = (params['name'], where_of.get(id(params)))
+    site = (params['sow_name'], where_of.get(id(params)))
     if site in in_solve:
       return to_remat_copy(params, in_custom_call)
     return None

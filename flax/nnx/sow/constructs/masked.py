@@ -197,7 +197,7 @@ class _Ordinals:
     self.seen = collections.Counter()
 
   def next(self, params: dict, problem=None) -> BranchOrdinal:
-    name = params['name']
+    name = params['sow_name']
     ordinal, members, group_problem = self.groups[name, self.seen[name]]
     self.seen[name] += 1
     old, branch = params['ordinal'], self.branch
@@ -282,7 +282,7 @@ def _unmasked(eqn, state: _Ordinals):
     if not is_perturb(params):
       return None
     problem = NotImplementedError, (
-        f'perturb {params["name"]!r}: inside {what} inside a'
+        f'perturb {params["sow_name"]!r}: inside {what} inside a'
         ' `lax.cond`/`lax.switch` branch whose predicate `jax.vmap`'
         ' batches, its cotangent cannot be collected per example. Perturb'
         f' outside {what} in the branch, or put the vmap around the capture'
@@ -319,7 +319,7 @@ def bind_masked(p: dict, leaves, closure, mask, batch_dims: int) -> list:
     snapshot = reductions.masked(snapshot, n_value)
   return bind_sow(
       packed,
-      name=p['name'],
+      name=p['sow_name'],
       tag=p['tag'],
       treedef=treedef,
       reduction=Reduction(

@@ -77,9 +77,9 @@ def loop_row(x: tp.Any, *, name: tp.Any, loop: tp.Any = None) -> tp.Any:
   """
   _USED.yes = True
   if loop is None:
-    return jax.tree.map(lambda leaf: loop_row_p.bind(leaf, name=name), x)
+    return jax.tree.map(lambda leaf: loop_row_p.bind(leaf, sow_name=name), x)
   with _jax.set_current_trace(loop):
-    return jax.tree.map(lambda leaf: loop_row_p.bind(leaf, name=name), x)
+    return jax.tree.map(lambda leaf: loop_row_p.bind(leaf, sow_name=name), x)
 
 
 def _row_error(name, what: str) -> NotImplementedError:
@@ -92,56 +92,56 @@ def _row_error(name, what: str) -> NotImplementedError:
 
 
 @loop_row_p.def_abstract_eval
-def _abstract_eval(aval, *, name):
+def _abstract_eval(aval, *, sow_name):
   if not aval.shape:
     raise ValueError(
-        f'{name!r}: a value of shape () has no row per iteration; it must'
+        f'{sow_name!r}: a value of shape () has no row per iteration; it must'
         ' be stacked along a leading axis as long as the loop.'
     )
   return _jax.ShapedArray(aval.shape[1:], aval.dtype)
 
 
 @loop_row_p.def_impl
-def _impl(x, *, name):
+def _impl(x, *, sow_name):
   del x
-  raise _row_error(name, 'outside any loop')
+  raise _row_error(sow_name, 'outside any loop')
 
 
-def _lowering(ctx, x, *, name):
+def _lowering(ctx, x, *, sow_name):
   del ctx, x
-  raise _row_error(name, 'inside a construct that is not the loop')
+  raise _row_error(sow_name, 'inside a construct that is not the loop')
 
 
 _jax.register_lowering(loop_row_p, _lowering)
 
 
-def _jvp(primals, tangents, *, name):
+def _jvp(primals, tangents, *, sow_name):
   (x,), (t,) = primals, tangents
-  out = loop_row_p.bind(x, name=name)
+  out = loop_row_p.bind(x, sow_name=sow_name)
   if type(t) is _jax.Zero:
     return out, _jax.zeros_like_tangent(out)
-  return out, loop_row_p.bind(t, name=name)
+  return out, loop_row_p.bind(t, sow_name=sow_name)
 
 
 _jax.primitive_jvps[loop_row_p] = _jvp
 
 
-def _transpose(ct, x, *, name):
+def _transpose(ct, x, *, sow_name):
   del ct, x
-  raise _row_error(name, 'in a transposed program')
+  raise _row_error(sow_name, 'in a transposed program')
 
 
 _jax.primitive_transposes[loop_row_p] = _transpose
 
 
-def _batch(axis_data, args, dims, *, name):
+def _batch(axis_data, args, dims, *, sow_name):
   (x,), (d,) = args, dims
   if d is not None:
-    raise _row_error(name, 'of a value the vmap already maps over')
+    raise _row_error(sow_name, 'of a value the vmap already maps over')
   size = _jax.typeof(x).shape[0] if _jax.typeof(x).shape else None
   if size != axis_data.size:
     raise ValueError(
-        f'{name!r}: its leading axis has {size} rows, but the vmap maps over'
+        f'{sow_name!r}: its leading axis has {size} rows, but the vmap maps over'
         f' {axis_data.size} examples.'
     )
   return x, 0
@@ -167,7 +167,7 @@ def _rows_as_xs(args, params):
   const_in = {v: a for v, a in zip(jaxpr.invars[:n_consts], args[:n_consts])}
   extra = []
   for eqn in rows:
-    (v,), name = eqn.invars, eqn.params['name']
+    (v,), name = eqn.invars, eqn.params['sow_name']
     if isinstance(v, _jax.Literal) or (v not in consts and v not in const_in):
       raise _row_error(name, 'of a value computed inside the loop body')
     value = consts[v] if v in consts else const_in[v]

@@ -412,11 +412,11 @@ def _sow_batch(original, axis_data, leaves, dims, **params):
       _batching.axes
       and params['effect']
       and _collected_now(
-          params['tag'], params['reduction'], params['kind'], params['name']
+          params['tag'], params['reduction'], params['kind'], params['sow_name']
       )
       and _batched_by_outer_vmap(axis_data)
   ):
-    raise _vmap_error(params['name'])
+    raise _vmap_error(params['sow_name'])
   return original(axis_data, leaves, dims, **params)
 
 

@@ -15,8 +15,9 @@
 """Tests of the top level of a capture (``toplevel.py``).
 
 ``capture(f)`` runs ``f`` under a trace that passes every primitive to the
-caller's trace. These tests pin what that means for a user: eagerly ``f``
-sees concrete arrays, under ``jax.jit`` the captured program is the plain one
+caller's trace (eagerly: on JAX's eval trace itself). These tests pin what
+that means for a user: eagerly ``f`` sees concrete arrays and what has no sow
+keeps JAX's fast dispatch, under ``jax.jit`` the captured program is the plain one
 minus the sows, custom rules of functions called in ``f`` keep working when
 the caller differentiates, JAX's trace state is restored after an error, and
 ``nnx.State`` arguments get their updates back. Expected values are computed
@@ -25,8 +26,12 @@ by hand or by the same computation written without ``sow``.
 
 from __future__ import annotations
 
+from unittest import mock
+
 from absl.testing import absltest
 import jax
+from jax._src import core as jax_core
+from jax._src import pjit as pjit_lib
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -86,6 +91,86 @@ class EagerTest(absltest.TestCase):
     # Plain JAX still works, with its fast paths.
     np.testing.assert_allclose(jax.jit(lambda x: x * 3)(jnp.ones(2)), [3, 3])
     np.testing.assert_allclose(jax.grad(lambda x: x**2)(3.0), 6.0)
+
+  def test_no_trace_is_installed_and_sow_free_jits_keep_the_fast_path(self):
+    # Eagerly f runs on JAX's eval trace; a jitted function with no sow is
+    # dispatched by JAX's C++ path (no Python cache miss after the first).
+    calls = []
+    original = pjit_lib._run_python_pjit
+
+    def counting(*args, **kwargs):
+      calls.append(1)
+      return original(*args, **kwargs)
+
+    plain = jax.jit(lambda y: y * 3.0)
+    seen = []
+
+    def f(x):
+      seen.append(jax_core.trace_state_clean())
+      for _ in range(3):
+        x = plain(x)
+      return sow(x, name='x')
+
+    x = jnp.ones(2)
+    capture(f)(x)  # compiles `plain`
+    with mock.patch.object(pjit_lib, '_run_python_pjit', counting):
+      out, collected = capture(f)(x)
+    self.assertEqual(calls, [])
+    self.assertEqual(seen, [True, True])
+    np.testing.assert_allclose(out, [27.0, 27.0])
+    np.testing.assert_allclose(collected['x'][0], [27.0, 27.0])
+
+  def test_a_jit_with_a_sow_collects_at_every_call(self):
+    # Its program holds a sow, so it never takes the fast path inside a
+    # capture: called before (outside any capture, where it has one),
+    # twice in a capture, in a nested capture, and after.
+    g = jax.jit(lambda y: sow(y * 2.0, name='g') + 1.0)
+    x = jnp.array([1.0, 2.0])
+    for _ in range(2):
+      np.testing.assert_allclose(g(x), [3.0, 5.0])
+
+    def f(x):
+      return g(g(x))
+
+    for _ in range(2):
+      out, collected = capture(f)(x)
+      np.testing.assert_allclose(out, [7.0, 11.0])
+      np.testing.assert_allclose(collected['g'][0], [2.0, 4.0])
+      np.testing.assert_allclose(collected['g'][1], [6.0, 10.0])
+    (out, inner), outer = capture(lambda x: capture(f, tags=['t'])(x))(x)
+    self.assertEqual(dict(inner), {})
+    np.testing.assert_allclose(outer['g'][1], [6.0, 10.0])
+    np.testing.assert_allclose(g(x), [3.0, 5.0])
+    # The same function under a jit around the capture: the same values.
+    out_j, collected_j = jax.jit(capture(f))(x)
+    np.testing.assert_allclose(out_j, out)
+    np.testing.assert_allclose(collected_j['g'][1], [6.0, 10.0])
+
+  def test_control_flow_compiled_alone_is_rewritten(self):
+    # Eagerly JAX compiles a scan, cond or while_loop alone: a sow inside is
+    # collected, with the layout it has under jit.
+    def f(x):
+      c, _ = jax.lax.scan(
+          lambda c, xi: (c + sow(xi * c, name='s'), None), 1.0, x
+      )
+      c = jax.lax.cond(
+          c > 0, lambda c: sow(c, name='b') * 2, lambda c: sow(-c, name='b'), c
+      )
+      return jax.lax.while_loop(
+          lambda c: c < 100.0,
+          lambda c: sow(c, name='w', reduce_fn=jnp.add, init_fn=lambda: 0.0)
+          * 3.0,
+          c,
+      )
+
+    x = jnp.array([1.0, 2.0, 3.0])
+    out, collected = capture(f)(x)
+    # scan: c = 1, 2, 6, 24 with rows xi * c = 1, 4, 18; cond: 24 -> 48;
+    # while: 48 -> 144, the accumulator 48.
+    np.testing.assert_allclose(collected['s'][0], [1.0, 4.0, 18.0])
+    np.testing.assert_allclose(collected['b'][0], 24.0)
+    np.testing.assert_allclose(collected['w'], 48.0)
+    np.testing.assert_allclose(out, 144.0)
 
   def test_ahead_of_time_compiled_function_is_refused(self):
     x = jnp.ones(2)

@@ -69,6 +69,7 @@ from jax._src import effects
 from jax._src import linear_util as lu
 from jax._src import config as jax_config
 from jax._src import mesh as mesh_lib
+from jax._src import pjit as pjit_lib
 from jax._src import shard_map as shard_map_lib
 from jax._src import sharding_impls
 from jax._src import source_info_util

@@ -195,43 +195,20 @@ def _guard_compiled_calls(check):
   cls.__call__ = _marked(__call__)
 
 
-def _mesh_api_now():
-  impls = _jax.sharding_impls
-  return (
-      impls.set_mesh.__init__,
-      impls.get_mesh,
-      _jax.jax_sharding_module().get_mesh,
+def _wrap_attributes(*targets):
+  """Each ``owner.attribute`` of ``targets`` becomes
+  ``wrappers[attribute](original, *args, **kwargs)``: one entry, several
+  objects, ``apply(wrappers)`` taking the wrappers by attribute name."""
+  parts = [(attribute, _wrap_attribute(owner, attribute))
+           for owner, attribute in targets]
+
+  def apply(wrappers):
+    for attribute, target in parts:
+      target.apply(wrappers[attribute])
+
+  return _Target(
+      apply, lambda: tuple(x for _, t in parts for x in t.current())
   )
-
-
-def _eager_mesh_api(is_eager):
-  """``jax.set_mesh`` and ``jax.sharding.get_mesh`` run as at top level
-  where ``is_eager()`` says no transform is tracing (an eager capture's
-  trace only watches); both refuse to run unless the eval trace is current
-  (``core.trace_state_clean``)."""
-  impls = _jax.sharding_impls
-  cls = impls.set_mesh
-  if _is_marked(cls.__init__):
-    return
-  original_init, original_get = cls.__init__, impls.get_mesh
-
-  @functools.wraps(original_init)
-  def __init__(self, mesh):
-    if is_eager():
-      with _jax.set_current_trace(_jax.eval_trace):
-        return original_init(self, mesh)
-    return original_init(self, mesh)
-
-  @functools.wraps(original_get)
-  def get_mesh():
-    if is_eager():
-      with _jax.set_current_trace(_jax.eval_trace):
-        return original_get()
-    return original_get()
-
-  cls.__init__ = _marked(__init__)
-  impls.get_mesh = _marked(get_mesh)
-  _jax.jax_sharding_module().get_mesh = get_mesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,14 +245,22 @@ INVENTORY: tuple[Patch, ...] = (
         _Target(_guard_compiled_calls, _compiled_call_now),
     ),
     Patch(
-        'eager_mesh_api',
-        'jax.set_mesh.__init__, jax.sharding.get_mesh',
+        'eager_calls',
+        'core.EvalTrace.process_primitive, core.EvalTrace.process_shard_map,'
+        ' pjit._pjit_call_impl_python',
         'toplevel.py',
-        'They refuse to run unless the eval trace is current; an eager'
-        " capture's trace only watches, so f may use them as without it.",
-        'A way for a trace to declare itself transparent to'
-        ' core.trace_state_clean.',
-        _Target(_eager_mesh_api, _mesh_api_now),
+        'An eager capture installs no trace (so what has no sow keeps'
+        " JAX's C++ dispatch); where the eval trace runs a compiled call or"
+        ' a control-flow primitive whose program holds sows a capture'
+        ' accepts, or a shard_map, the capture rewrites it first.',
+        'A per-thread hook the eval trace calls before it evaluates a'
+        ' higher-order primitive (with its jaxprs), and before a jit call'
+        ' dispatches its compiled program.',
+        _wrap_attributes(
+            (_jax.core.EvalTrace, 'process_primitive'),
+            (_jax.core.EvalTrace, 'process_shard_map'),
+            (_jax.pjit_lib, '_pjit_call_impl_python'),
+        ),
     ),
     Patch(
         'custom_jvp_bind',

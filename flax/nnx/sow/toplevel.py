@@ -12,14 +12,14 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""The top level of a capture: a trace that collects sows as ``f`` binds them.
+"""The top level of a capture: where the sows ``f`` binds are collected.
 
-``capture(f)(*args)`` runs ``f`` with a :class:`CaptureTrace` as JAX's current
-trace. The trace stands between ``f`` and the trace the capture was called in,
-its *parent* (eager evaluation, an enclosing ``jit``'s staging, ``grad``'s
-JVP, ``vmap``'s batching). It has no tracers of its own: every value ``f``
-sees is the parent's, and every primitive ``f`` binds is handed to the parent
-as it is, except
+Inside a transform, ``capture(f)(*args)`` runs ``f`` with a
+:class:`CaptureTrace` as JAX's current trace. The trace stands between ``f``
+and the trace the capture was called in, its *parent* (an enclosing ``jit``'s
+staging, ``grad``'s JVP, ``vmap``'s batching). It has no tracers of its own:
+every value ``f`` sees is the parent's, and every primitive ``f`` binds is
+handed to the parent as it is, except
 
 * an accepted ``sow``: the :class:`~flax.nnx.sow.collect.Collector` records its operands,
   which are the parent's values, and the sow is not bound;
@@ -31,20 +31,27 @@ as it is, except
   ``custom_vjp``, ``shard_map``, ``core.call``): it is staged alone the same
   way first, to see whether its functions sow.
 
-So eagerly ``f`` runs op by op as under plain JAX, and inside ``jax.jit``
-each equation of ``f`` is staged once, into the caller's jaxpr: there is no
-second program to copy. The idea is oryx ``harvest``'s (a trace that reaps
-sows), kept to the top level; everything below it is the jaxpr rewrite.
+Called outside any transform, a capture installs no trace (see *eager
+captures* below): ``f`` runs on JAX's eval trace, where the same two
+exceptions are made by ``sow_p``'s implementation and the ``eager_calls``
+inventory entries. So eagerly ``f`` runs op by op as under plain JAX, C++
+dispatch included, and inside ``jax.jit`` each equation of ``f`` is staged
+once, into the caller's jaxpr: there is no second program to copy. The idea
+is oryx ``harvest``'s (a trace that reaps sows), kept to the top level;
+everything below it is the jaxpr rewrite.
 """
 
 from __future__ import annotations
 
+import threading
 import typing as tp
 
 from flax.nnx.sow import _jax
 from flax.nnx.sow import _jax_patches
 from flax.nnx.sow import collect as capture_lib
 from flax.nnx.sow import sites
+from flax.nnx.sow.primitive import eager_capture
+from flax.nnx.sow.primitive import eager_captures
 from flax.nnx.sow.primitive import sow_p
 from flax.nnx.sow.primitive import staging
 
@@ -98,10 +105,6 @@ class CaptureTrace(_jax.Trace):
     super().__init__()
     self.parent = parent
     self.collector = collector
-    # Called outside any transform: ``f`` runs op by op on the eval trace.
-    self.eager = _jax.is_eval_trace(parent) or (
-        isinstance(parent, CaptureTrace) and parent.eager
-    )
     # Lowering of Hijax types happens where the parent wants it.
     self.requires_low = parent.requires_low
     # What JAX shows as the current trace's identity (``jax.core.
@@ -144,11 +147,6 @@ class CaptureTrace(_jax.Trace):
   def process_custom_jvp_call(
       self, primitive, fun, jvp, args, /, *, symbolic_zeros
   ):
-    if self.eager:
-      # As JAX's eval trace does: run the primal function, op by op (its
-      # Python may read values); its sows reach this trace.
-      with _jax.set_current_trace(self):
-        return fun.call_wrapped(*args)
     outs = self._collect_alone(
         lambda *xs: primitive.bind(
             *xs, subfuns=(fun, jvp), symbolic_zeros=symbolic_zeros
@@ -162,9 +160,6 @@ class CaptureTrace(_jax.Trace):
   def process_custom_vjp_call(
       self, primitive, fun, fwd, bwd, args, /, *, out_trees, symbolic_zeros
   ):
-    if self.eager:
-      with _jax.set_current_trace(self):
-        return fun.call_wrapped(*args)
     outs = self._collect_alone(
         lambda *xs: primitive.bind(
             *xs,
@@ -199,36 +194,154 @@ class CaptureTrace(_jax.Trace):
   def _collect_alone(self, bind, args, primitive, multiple_results=None):
     """Stages ``bind(*args)`` alone, then evaluates it on the parent,
     collecting its sows."""
-    if multiple_results is None:
-      multiple_results = primitive.multiple_results
-
-    def one_equation(*xs):
-      out = bind(*xs)
-      return list(out) if multiple_results else [out]
-
-    # Staged from here, the equation would not see the user's frames (JAX
-    # records the stack only below the function it traces): give it those
-    # of the call ``f`` made, for error messages and the rules.
-    source_info = _jax.current_source_info()
-    closed = _jax.trace_to_closed_jaxpr(
-        one_equation, [_jax.arg_type(x) for x in args], primitive.name
-    )
-    closed = _jax.with_source_info(closed, source_info)
-    c = self.collector
+    closed = _stage_alone(bind, args, primitive, multiple_results)
     with _jax.set_current_trace(self.parent):
-      if c.has_work([closed.jaxpr]):
-        outs = capture_lib.eval_collecting(
-            closed.jaxpr, closed.consts, list(args), c
-        )
-      else:
-        outs = _jax.eval_into_current_trace(
-            closed.jaxpr, closed.consts, list(args)
-        )
-    return outs if multiple_results else outs[0]
+      outs = _evaluate(closed, args, self.collector)
+    return _results(outs, primitive, multiple_results)
+
+
+def _stage_alone(bind, args, primitive, multiple_results) -> _jax.ClosedJaxpr:
+  """``bind(*args)`` staged into a one-equation jaxpr."""
+  if multiple_results is None:
+    multiple_results = primitive.multiple_results
+
+  def one_equation(*xs):
+    out = bind(*xs)
+    return list(out) if multiple_results else [out]
+
+  # Staged from here, the equation would not see the user's frames (JAX
+  # records the stack only below the function it traces): give it those
+  # of the call ``f`` made, for error messages and the rules.
+  source_info = _jax.current_source_info()
+  closed = _jax.trace_to_closed_jaxpr(
+      one_equation, [_jax.arg_type(x) for x in args], primitive.name
+  )
+  return _jax.with_source_info(closed, source_info)
+
+
+def _evaluate(closed, args, collector) -> list[tp.Any]:
+  """``closed`` evaluated on the current trace, ``collector`` collecting."""
+  if collector is not None and collector.has_work([closed.jaxpr]):
+    return capture_lib.eval_collecting(
+        closed.jaxpr, closed.consts, list(args), collector
+    )
+  return _jax.eval_into_current_trace(closed.jaxpr, closed.consts, list(args))
+
+
+def _results(outs, primitive, multiple_results):
+  if multiple_results is None:
+    multiple_results = primitive.multiple_results
+  return outs if multiple_results else outs[0]
+
+
+# -- eager captures ----------------------------------------------------------
+#
+# Called outside any transform, a capture installs no trace: ``f`` runs on
+# JAX's eval trace, so every operation without a sow takes JAX's own C++
+# dispatch (a Python trace would cost each of them the slow path). A sow
+# evaluated there offers itself to the eager captures running on the thread
+# (``primitive.eager_capture``); where the eval trace would run a compiled
+# program that holds accepted sows (a ``jax.jit`` call, a ``scan``/``cond``/
+# ``while`` that JAX compiles alone, a ``checkpoint``), the ``eager_calls``
+# entries stage that one call and evaluate it with the capture loop first.
+
+
+class _EagerCapture:
+  """One eager capture on the stack of ``primitive.eager_capture``."""
+
+  __slots__ = ('collector',)
+
+  def __init__(self, collector: capture_lib.Collector):
+    self.collector = collector
+
+  def eager_sow(self, params, leaves) -> list[tp.Any] | None:
+    c = self.collector
+    if params['remat_copy'] or not c.accepts(
+        params['tag'], params['reduction'], params['kind'], params['sow_name']
+    ):
+      return None
+    return c.sow(params, list(leaves), _Where(_jax.current_source_info()))
+
+
+def _working_collector(jaxprs) -> capture_lib.Collector | None:
+  """The innermost eager capture that accepts a sow in ``jaxprs``."""
+  for capture in reversed(eager_captures()):
+    if capture.collector.has_work(jaxprs):
+      return capture.collector
+  return None
+
+
+def _eager_process_primitive(original, trace, primitive, args, params, /):
+  if eager_captures() and primitive is not sow_p:
+    jaxprs = (
+        [params['jaxpr']] if primitive is _jax.jit_p else _jaxprs(params)
+    )
+    if jaxprs and (c := _working_collector(jaxprs)) is not None:
+      closed = _stage_alone(
+          lambda *xs: primitive.bind(*xs, **params), args, primitive, None
+      )
+      return _results(_evaluate(closed, args, c), primitive, None)
+  return original(trace, primitive, args, params)
+
+
+def _eager_jit_call(original, *args, **params):
+  # ``jax.jit(g)(x)`` called with the eval trace current compiles and runs
+  # ``g``'s program without binding ``jit_p``. No compiled program comes
+  # back to JAX, so the call keeps no fast path to skip this next time.
+  if eager_captures() and (
+      c := _working_collector([params['jaxpr']])
+  ) is not None:
+    closed = _stage_alone(
+        lambda *xs: _jax.jit_p.bind(*xs, **params), args, _jax.jit_p, None
+    )
+    return _evaluate(closed, args, c), None, None, []
+  return original(*args, **params)
+
+
+class _ShardMaps(threading.local):
+  evaluating: int = 0
+
+
+_SHARD_MAPS = _ShardMaps()
+
+
+def _eager_shard_map(original, trace, primitive, fun, args, **params):
+  # A shard_map carries a Python function: staged alone first, to see
+  # whether it sows; one that does not is then evaluated as it was staged.
+  if not eager_captures() or _SHARD_MAPS.evaluating:
+    return original(trace, primitive, fun, args, **params)
+  tree = []
+
+  def bind(*xs):
+    out = primitive.bind(*xs, subfuns=(fun,), **params)
+    tree.append(out)
+    return list(out)
+
+  closed = _stage_alone(bind, args, primitive, True)
+  c = _working_collector([closed.jaxpr])
+  if c is not None:
+    outs = _evaluate(closed, args, c)
+  else:
+    _SHARD_MAPS.evaluating += 1
+    try:
+      outs = _evaluate(closed, args, None)
+    finally:
+      _SHARD_MAPS.evaluating -= 1
+  return tree[0].update(outs)
+
+
+_jax_patches.register(
+    'eager_calls',
+    {
+        'process_primitive': _eager_process_primitive,
+        'process_shard_map': _eager_shard_map,
+        '_pjit_call_impl_python': _eager_jit_call,
+    },
+)
 
 
 def _refuse_compiled_calls() -> None:
-  if isinstance(_jax.trace_ctx.trace, CaptureTrace):
+  if eager_captures() or isinstance(_jax.trace_ctx.trace, CaptureTrace):
     raise TypeError(
         'capture: f calls an ahead-of-time compiled function'
         ' (jax.jit(g).lower(...).compile()). It runs as a compiled'
@@ -239,16 +352,6 @@ def _refuse_compiled_calls() -> None:
 
 
 _jax_patches.register('compiled_calls', _refuse_compiled_calls)
-
-
-def _in_eager_capture() -> bool:
-  trace = _jax.trace_ctx.trace
-  return isinstance(trace, CaptureTrace) and trace.eager
-
-
-# Eagerly, a capture only watches what ``f`` binds: JAX's eager-only APIs
-# behave as without it.
-_jax_patches.register('eager_mesh_api', _in_eager_capture)
 
 
 def _one_rule_called(fun, rule) -> None:
@@ -290,14 +393,21 @@ def trace_and_collect(
     )
   # Each sow is folded as it is bound (python_folds).
   collector = capture_lib.Collector(accepts_key, python_folds=True)
-  trace = CaptureTrace(_jax.trace_ctx.trace, collector)
+  parent = _jax.trace_ctx.trace
   # Part of JAX's tracing cache key: its own record of the names that
   # tracing asks about (vmap's rules, rarely), so that it compares cheaply.
   staging_key = sites.for_call(accepts_key)
   try:
-    with staging(staging_key), _jax.set_current_trace(trace):
-      out = f(*args, **kwargs)
+    if _jax.is_eval_trace(parent):
+      with staging(staging_key), eager_capture(_EagerCapture(collector)):
+        out = f(*args, **kwargs)
+    else:
+      trace = CaptureTrace(parent, collector)
+      try:
+        with staging(staging_key), _jax.set_current_trace(trace):
+          out = f(*args, **kwargs)
+      finally:
+        trace.invalidate()
   finally:
-    trace.invalidate()
     sites.release(staging_key)
   return out, collector.result()

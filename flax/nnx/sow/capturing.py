@@ -14,9 +14,10 @@
 
 """The capture transform.
 
-``capture(f)`` runs ``f`` under ``toplevel.CaptureTrace``, which records the
-sows ``f`` binds and hands each higher-order primitive whose sub-jaxprs hold
-accepted sows, staged alone, to the generic loop of ``collect.py``. This
+``capture(f)`` runs ``f`` at its top level (``toplevel.py``: inside a
+transform under ``CaptureTrace``, eagerly on JAX's eval trace), which records
+the sows ``f`` binds and hands each higher-order primitive whose sub-jaxprs
+hold accepted sows, staged alone, to the generic loop of ``collect.py``. This
 file owns the transform's arguments (``tags``, ``names``), the eager
 ``jax.jit`` fast path, the call of ``f`` with its NNX graph nodes
 (``nnx/calls.py``), and :func:`stage`, which ``intervene`` uses. The names of
@@ -388,8 +389,9 @@ def stage_and_collect(
     args: tuple[tp.Any, ...],
     kwargs: dict[str, tp.Any],
 ) -> tuple[tp.Any, Collected]:
-  """``capture``'s work once graph nodes are split: run ``f`` under a
-  ``toplevel.CaptureTrace``, which collects its sows as they are bound."""
+  """``capture``'s work once graph nodes are split: run ``f`` with
+  ``toplevel.trace_and_collect``, which collects its sows as they are
+  bound."""
   return toplevel.trace_and_collect(f, accepts_key, args, kwargs)
 
 

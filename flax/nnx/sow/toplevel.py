@@ -372,7 +372,9 @@ def trace_and_collect(
     args: tuple[tp.Any, ...],
     kwargs: dict[str, tp.Any],
 ) -> tuple[tp.Any, capture_lib.Collected]:
-  """Calls ``f(*args, **kwargs)`` under a :class:`CaptureTrace`.
+  """Calls ``f(*args, **kwargs)``, collecting its sows: eagerly on the eval
+  trace (an eager capture, see above), inside a transform under a
+  :class:`CaptureTrace`.
 
   The arguments reach ``f`` as they are (NNX graph nodes are the caller's
   objects, which ``f`` may update; NumPy arrays stay NumPy arrays), and

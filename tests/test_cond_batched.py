@@ -274,6 +274,39 @@ class ReducedSowNestedInBatchedCondTest(parameterized.TestCase):
       np.testing.assert_allclose(out, wanted_out)
       np.testing.assert_allclose(collected['t'], wanted_t)
 
+  @parameterized.parameters('plain', 'checkpoint', 'grad_checkpoint')
+  def test_python_constant_counted_per_taken_example_in_scan(self, transform):
+    # sow(1.0) folds a Python literal (not an array) in a branch on a
+    # batched predicate, in a scan: the count is the (step, example) pairs
+    # that took the branch, under checkpoint and grad too.
+    steps = jnp.array([1.0, -1.0, 2.0])
+
+    def f(x):
+      def body(c, s):
+        def per(y):
+          return lax.cond(
+              y.sum() > 0,
+              lambda y: y + 0.0 * sow(
+                  1.0, name='n', reduce_fn=jnp.add, init_fn=lambda: 0.0
+              ),
+              lambda y: y * 2.0,
+              y,
+          )
+
+        return c, jax.vmap(per)(c * s)
+
+      return lax.scan(body, x, steps)[1].sum()
+
+    g = {
+        'plain': f,
+        'checkpoint': jax.checkpoint(f),
+        'grad_checkpoint': jax.grad(jax.checkpoint(f)),
+    }[transform]
+    taken = (np.asarray(X).sum(1)[None, :] * np.asarray(steps)[:, None]) > 0
+    for run in (capture(g), jax.jit(capture(g))):
+      _, collected = run(X)
+      np.testing.assert_allclose(collected['n'], taken.sum())  # 6 of 12
+
   @parameterized.parameters('direct', 'jit', 'checkpoint')
   def test_fold_order_true_fun_first(self, construct):
     # A fold that is not commutative: the sites of true_fun (examples 0

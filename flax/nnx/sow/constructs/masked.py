@@ -306,7 +306,7 @@ def bind_masked(p: dict, leaves, closure, mask, batch_dims: int) -> list:
   the sow: the leaves, then the mask.
   """
   if leaves:
-    shape = leaves[0].shape[:batch_dims]
+    shape = _jax.typeof(leaves[0]).shape[:batch_dims]
     mask = jnp.broadcast_to(
         jnp.reshape(mask, mask.shape + (1,) * (len(shape) - mask.ndim)), shape
     )

@@ -199,19 +199,101 @@ def _in_call_order(items: list[tuple[EntrySpec, tp.Any]]) -> list[tp.Any]:
   """The cotangents of one name, in the order of their ``perturb`` calls.
 
   ``items`` are the name's entries in the order the program ran them: the
-  forward markers and the cotangents. A backward pass sows the cotangents of
-  its perturbs last call first, so their ordinals decrease; a marker (a new
-  forward pass) or an ordinal that does not decrease starts a new pass. Each
-  pass is reversed; the passes keep their order. The cotangents of the
-  branches of one :class:`BranchOrdinal` in one pass are added into one.
+  forward markers (``kind='perturb'``, one per perturb the forward pass ran)
+  and the cotangents. A run of markers starts a segment: the backward passes
+  of that forward pass follow it. A backward pass sows the cotangents of its
+  perturbs last call first, so within a segment the cotangents are matched
+  to the markers taken in reverse (:func:`_matched_to_markers`), which is
+  exact also where a cached ``jax.jit`` or ``checkpoint`` made several calls
+  share one ``ordinal`` (it is fixed when the perturb is traced). Where a
+  segment has no marker (its forward pass ran outside this capture), the
+  ordinals alone order it (:func:`_by_ordinals`).
   """
+  out: list[tp.Any] = []
+  for markers, cotangents in _segments(items):
+    order = _matched_to_markers(markers, cotangents)
+    out.extend(_by_ordinals(cotangents) if order is None else order)
+  return out
+
+
+def _segments(items):
+  """``items`` cut at each run of markers: ``[(markers, cotangents)]``."""
+  segments: list[tuple[list[EntrySpec], list[tuple[EntrySpec, tp.Any]]]] = [
+      ([], [])
+  ]
+  for spec, value in items:
+    if spec.kind == 'perturb':
+      if segments[-1][1]:
+        segments.append(([], []))
+      segments[-1][0].append(spec)
+    else:
+      segments[-1][1].append((spec, value))
+  return segments
+
+
+def _matched_to_markers(markers, cotangents) -> list[tp.Any] | None:
+  """The cotangents of one segment in call order, each matched to a marker.
+
+  Each backward pass visits the markers in reverse and gives a cotangent to
+  those whose perturb its inputs reach: a cotangent takes the next marker
+  (in reverse) with its ordinal, and one that has none left starts the next
+  backward pass. ``None`` where the ordinals alone must decide (no marker,
+  a batched ``cond``'s :class:`BranchOrdinal`, or a cotangent no marker
+  has).
+
+  Raises:
+    ValueError: where markers share an ordinal (one traced perturb called
+      several times through a cached ``jit``/``checkpoint``) and a pass
+      does not give each of them a cotangent, so which call a cotangent
+      belongs to cannot be told.
+  """
+  if not markers or not cotangents:
+    return None
+  reverse = [m.ordinal for m in reversed(markers)]
+  if any(isinstance(o, BranchOrdinal) or o is None for o in reverse) or any(
+      isinstance(s.ordinal, BranchOrdinal) for s, _ in cotangents
+  ):
+    return None
+  passes: list[dict[int, tp.Any]] = []
+  pos = len(reverse)
+  for spec, value in cotangents:
+    j = _next_index(reverse, spec.ordinal, pos)
+    if j is None:  # a new backward pass
+      j = _next_index(reverse, spec.ordinal, 0)
+      if j is None:
+        return None
+      passes.append({})
+    passes[-1][j] = value
+    pos = j + 1
+  if len(set(reverse)) < len(reverse) and any(
+      len(p) < len(reverse) for p in passes
+  ):
+    raise ValueError(
+        f'capture: perturb {markers[0].name!r} is called {len(reverse)}'
+        ' times, some of them through one cached trace (a jax.jit or'
+        ' jax.checkpoint function called more than once), and a backward'
+        ' pass gives only some of those calls a cotangent (the others'
+        ' perturb values the differentiated inputs do not reach), so which'
+        ' call a cotangent belongs to cannot be told. Give the calls their'
+        ' own names (e.g. name=(name, i)), or perturb only values that are'
+        ' differentiated.'
+    )
+  return [p[j] for p in passes for j in sorted(p, reverse=True)]
+
+
+def _next_index(seq, value, start: int) -> int | None:
+  return next((k for k in range(start, len(seq)) if seq[k] == value), None)
+
+
+def _by_ordinals(items: list[tuple[EntrySpec, tp.Any]]) -> list[tp.Any]:
+  """Cotangents in call order by their ordinals alone: a backward pass sows
+  them last call first, so their ordinals decrease, and an ordinal that does
+  not decrease starts a new pass. Each pass is reversed; the passes keep
+  their order. The cotangents of the branches of one :class:`BranchOrdinal`
+  in one pass are added into one."""
   passes: list[list[list[tp.Any]]] = [[]]  # [ordinal, value, branches]
   last = None
   for spec, value in items:
-    if spec.kind == 'perturb':
-      passes.append([])
-      last = None
-      continue
     ordinal, branches = spec.ordinal, None
     if isinstance(ordinal, BranchOrdinal):
       if _added_to_branch(passes[-1], spec, value):

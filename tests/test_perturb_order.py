@@ -105,6 +105,39 @@ class CachedTraceOrderTest(parameterized.TestCase):
     for got, want in zip(collected['p'], [*expected, *(2 * e for e in expected)]):
       np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
+  def test_perturbs_in_a_cond_called_in_a_python_loop(self):
+    # lax.cond caches its branches' traces by function: one pair of branch
+    # functions in a Python loop gives the perturbs of the three iterations
+    # one ordinal each, eagerly and under jit.
+    pos = lambda h: jnp.tanh(perturb(h * 2.0, name='p'))
+    neg = lambda h: jnp.sin(perturb(h * 3.0, name='p'))
+
+    def loss(x):
+      h = x
+      for _ in range(3):
+        h = jax.lax.cond(h.sum() > 0, pos, neg, h)
+      return jnp.sum(h * h)
+
+    def loss_eps(x, eps):
+      h = x
+      for e in eps:
+        h = jax.lax.cond(
+            h.sum() > 0,
+            lambda h: jnp.tanh(h * 2.0 + e),
+            lambda h: jnp.sin(h * 3.0 + e),
+            h,
+        )
+      return jnp.sum(h * h)
+
+    x = jnp.array([0.3, -0.1])
+    expected = jax.grad(loss_eps, argnums=1)(x, [jnp.zeros(2)] * 3)
+    for run in (capture(jax.grad(loss)), jax.jit(capture(jax.grad(loss)))):
+      for _ in range(2):
+        _, collected = run(x)
+        self.assertLen(collected['p'], 3)
+        for got, want in zip(collected['p'], expected):
+          np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
   def test_undifferentiated_calls_of_one_trace_raise(self):
     # The second call's input does not depend on x: its perturb gets no
     # cotangent, and both calls share one ordinal, so which call the one

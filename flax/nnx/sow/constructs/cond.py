@@ -276,16 +276,30 @@ def _cond_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
   acc_in = collector.reduced.leaves(specs)
   # A perturb's forward marker returns nothing; one branch may hold it and
   # another not (its cotangents, if any, are aligned like values).
+  rewritten = [collector.rewrite(b, specs) for b in branches]
   new_branches, layout = align_branches(
-      [_without_markers(*collector.rewrite(b, specs)) for b in branches],
-      len(eqn.outvars),
-      branches,
+      [_without_markers(*r) for r in rewritten], len(eqn.outvars), branches
   )
   outs, extra = _bind_cond(eqn, invals, new_branches, leading=acc_in)
   if axes:
     extra = [_jax.pvary(x, tuple(axes)) for x in extra]
+  _add_markers(collector, [layout for _, layout in rewritten])
   collector.absorb(layout, extra)
   return outs
+
+
+def _add_markers(collector: Collector, layouts) -> None:
+  """Records branch 0's perturb markers where every branch has the same
+  (by name, in order): whichever branch runs, the forward pass perturbs
+  those names there, and the cotangents, aligned like values, carry branch
+  0's entries, so ``Collected`` can match them to these markers (their
+  call order). Branches that perturb differently leave the ordinals alone
+  to order the cotangents."""
+  markers = [[e for e in l.entries if e.kind == 'perturb'] for l in layouts]
+  first = [e.name for e in markers[0]]
+  if first and all([e.name for e in m] == first for m in markers[1:]):
+    for spec in markers[0]:
+      collector.add_entry(spec, [])
 
 
 def _cond_intervene(injector, eqn, invals):

@@ -248,12 +248,20 @@ def _choose_roots(args: tuple, kwargs: dict, f, referenced) -> list:
   candidates = [(n, p, True) for n, p in from_args]
   candidates += [(n, p, False) for n, p in referenced]
   kept: list[tuple[tp.Any, Path, bool]] = []
-  inside: set[int] = set()  # every graph node under a kept root
+  # Every graph node under a kept root: walked only once a candidate other
+  # than a kept root itself has to be tested (one module, passed and
+  # referenced, is never walked here).
+  inside: set[int] | None = None
   for node, path, is_arg in candidates:
-    if id(node) in inside or not _holds_module(node):
+    if any(node is k for k, _, _ in kept):
+      continue
+    if kept and inside is None:
+      inside = {id(o) for k, _, _ in kept for _, o in _graph_nodes(k)}
+    if (inside is not None and id(node) in inside) or not _holds_module(node):
       continue
     kept.append((node, path, is_arg))
-    inside.update(id(obj) for _, obj in _graph_nodes(node))
+    if inside is not None:
+      inside.update(id(obj) for _, obj in _graph_nodes(node))
   if len(kept) == 1:
     return [(kept[0][0], ())]
   if len({is_arg for _, _, is_arg in kept}) == 1:

@@ -739,7 +739,9 @@ def edit_plain_sows(
   for eqn in jaxpr.eqns:
     p = eqn.params
     if eqn.primitive is sow_p and not p['remat_copy']:
-      if accepts(accepts_key, p['tag'], p['reduction'], p['kind'], p['sow_name']):
+      if accepts(
+          accepts_key, p['tag'], p['reduction'], p['kind'], p['sow_name']
+      ):
         if p['reduction'] is not None:
           return None
         operands = renamed(eqn.invars, subst)

@@ -543,7 +543,8 @@ class Injector:
     out_leaves, out_treedef = jax.tree_util.tree_flatten(out)
     if out_treedef != p['treedef']:
       raise ValueError(
-          f'intervene: sow {p["sow_name"]!r}{where(eqn)}: values[{p["sow_name"]!r}]'
+          f'intervene: sow {p["sow_name"]!r}{where(eqn)}:'
+          f' values[{p["sow_name"]!r}]'
           f'(value) is {_describe(fn_applied(value))}, but the sown value is'
           f' {_describe(value)}. A replacement must have the structure,'
           ' shape and dtype of the value it replaces.'

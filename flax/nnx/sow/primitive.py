@@ -303,7 +303,11 @@ def replacing(params: dict[str, tp.Any]) -> Intervening | None:
       if key.replaces(params):
         return key
     elif accepts(
-        key, params['tag'], params['reduction'], params['kind'], params['sow_name']
+        key,
+        params['tag'],
+        params['reduction'],
+        params['kind'],
+        params['sow_name'],
     ):
       return None
   return None

@@ -141,8 +141,8 @@ def _batch(axis_data, args, dims, *, sow_name):
   size = _jax.typeof(x).shape[0] if _jax.typeof(x).shape else None
   if size != axis_data.size:
     raise ValueError(
-        f'{sow_name!r}: its leading axis has {size} rows, but the vmap maps over'
-        f' {axis_data.size} examples.'
+        f'{sow_name!r}: its leading axis has {size} rows, but the vmap maps'
+        f' over {axis_data.size} examples.'
     )
   return x, 0
 

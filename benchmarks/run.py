@@ -813,11 +813,24 @@ def _make_train_step():
 @benchmark('eager_nnx')
 def eager_nnx(cfg: Config) -> list[Result]:
   """Inspecting a model eagerly: ``nnx.capture(model, nnx.Intermediate)(x)``
-  with the shim against Flax 0.12.8's own ``nnx.capture``."""
+  with the shim against Flax 0.12.8's own ``nnx.capture``, at the workload's
+  sizes (``eager_nnx``, where the forward's compute decides the time) and at
+  sizes so small that only the two captures' own per-call cost shows
+  (``eager_nnx[overhead]``)."""
+  overhead_sizes = wl.QUICK.replace(layers=cfg.sizes.layers, batch=1)
+  return [
+      _eager_nnx_row('eager_nnx', cfg.sizes, cfg),
+      _eager_nnx_row('eager_nnx[overhead]', overhead_sizes, cfg),
+  ]
+
+
+def _eager_nnx_row(name: str, sizes: wl.Sizes, cfg: Config) -> Result:
   shims = _nnx_shims()
-  x = wl.example_input(cfg.sizes)
-  model = wl.make_model(cfg.sizes)
-  repeats = max(3, cfg.runtime_repeats // 2)
+  x = wl.example_input(sizes)
+  model = wl.make_model(sizes)
+  # Eager op-by-op compute on a shared CPU varies by several percent from
+  # call to call, as much as the difference measured: many pairs.
+  repeats = 3 if cfg.quick else 4 * cfg.runtime_repeats
 
   def run_shim():
     shims.install()
@@ -838,10 +851,10 @@ def eager_nnx(cfg: Config) -> list[Result]:
       ta, tb = timing.interleaved(run_shim, run_orig, repeats, warmup=1)
   finally:
     shims.install()
-  return [timing.compare(
-      'eager_nnx', 'nnx.capture(model, nnx.Intermediate)(x) eager, shim',
+  return timing.compare(
+      name, 'nnx.capture(model, nnx.Intermediate)(x) eager, shim',
       'the same with Flax 0.12.8 nnx.capture', ta, tb, target=1.00,
-      sizes=cfg.sizes.asdict())]
+      sizes=sizes.asdict())
 
 
 @benchmark('nnx_step')

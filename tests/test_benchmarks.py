@@ -33,7 +33,8 @@ RUN = os.path.join(ROOT, 'benchmarks', 'run.py')
 
 EXPECTED_NAMES = {
     'jit_runtime', 'first_call[1]', 'first_call[2]', 'trace[1]', 'trace[2]',
-    'eager_dispatch', 'memory_runtime', 'eager_nnx', 'rewrite_scaling',
+    'eager_dispatch', 'memory_runtime', 'eager_nnx', 'eager_nnx[overhead]',
+    'rewrite_scaling',
     'rewrite_scaling[gc]', 'rewrite_scaling[loop]', 'eager_jitted',
     'eager_plain', 'eager_functional', 'eager_names', 'perturb_grad',
     'intervene_runtime',

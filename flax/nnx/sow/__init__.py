@@ -33,6 +33,7 @@ from flax.nnx.sow.capturing import Collected
 from flax.nnx.sow.capturing import capture
 from flax.nnx.sow.collect import collect_rules
 from flax.nnx.sow.inject import intervene
+from flax.nnx.sow.loop_index import loop_indices
 from flax.nnx.sow.names import as_path
 from flax.nnx.sow.names import grad_name
 from flax.nnx.sow.api import perturb
@@ -54,6 +55,7 @@ __all__ = [
     'flatten_names',
     'grad_name',
     'intervene',
+    'loop_indices',
     'module_outputs',
     'nnx_shims',
     'perturb',

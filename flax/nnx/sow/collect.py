@@ -681,13 +681,15 @@ def cached(
     key: tp.Hashable,
     build: tp.Callable[[], tp.Any],
     owner: tp.Any = None,
+    keep: tp.Callable[[], bool] | None = None,
 ):
   """``build()``, memoised per ``source`` object (weakly) and ``key``.
 
   Rules derive new jaxprs from the ones in an equation; returning the same
   object for the same input keeps JAX's compilation caches warm. With an
   ``owner``, the entry is that object's alone and is dropped when it is
-  collected (``inject.cached_rewrite``).
+  collected (``inject.cached_rewrite``). Where ``keep()`` is false after the
+  build, the result is not memoised.
   """
   if owner is not None:
     key = (*key, id(owner))
@@ -695,6 +697,8 @@ def cached(
   if per_source is not None and key in per_source:
     return per_source[key]
   result = build()
+  if keep is not None and not keep():
+    return result
   with _rewrite_lock:
     _rewrite_cache.setdefault(source, {})[key] = result
   if owner is not None:

@@ -46,8 +46,10 @@ import functools
 import typing as tp
 
 import jax
+import jax.numpy as jnp
 
 from flax.nnx.sow import _jax
+from flax.nnx.sow import loop_index
 from flax.nnx.sow import names as names_lib
 from flax.nnx.sow.capturing import capture as capture_transform
 from flax.nnx.sow.capturing import check_tags
@@ -231,7 +233,7 @@ class Replacements:
     """
     v = self.values[name]
     if not isinstance(v, Entries):
-      return _apply(v, value, batch_dims), f'values[{name!r}](value)'
+      return _apply(v, value, batch_dims, name), f'values[{name!r}](value)'
     i = self.next[name]
     self.next[name] += 1
     if i >= len(v.entries):
@@ -450,9 +452,14 @@ class Injector:
       closed: _jax.ClosedJaxpr,
       spec,
       rep_avals: tp.Sequence[tp.Any],
+      loop: loop_index.Frame | None = None,
   ) -> _jax.ClosedJaxpr:
     """``closed`` taking the replacement leaves as trailing inputs, with its
-    sows replaced (cached per jaxpr, replacement layout and callables)."""
+    sows replaced (cached per jaxpr, replacement layout and callables).
+
+    With ``loop``, the body of that loop: it takes one more trailing input,
+    the iteration's row index, which ``loop_indices()`` returns there.
+    """
     fns = self.fns_in(closed.jaxpr)
     key = (
         'intervene',
@@ -461,20 +468,27 @@ class Injector:
         spec,
         tuple(rep_avals),
         staging_active(),
+        loop is not None,
     )
+    index_avals = [] if loop is None else [_jax.ShapedArray((), jnp.int32)]
 
     def build():
-      n_in = len(closed.in_avals)
+      n_in, n_reps = len(closed.in_avals), len(rep_avals)
 
       def fn(*args):
-        inner = self.inner(spec, args[n_in:])
-        return eval_intervening(closed.jaxpr, closed.consts, args[:n_in], inner)
+        inner = self.inner(spec, args[n_in : n_in + n_reps])
+        with loop_index.providing(loop, *args[n_in + n_reps :]):
+          return eval_intervening(
+              closed.jaxpr, closed.consts, args[:n_in], inner
+          )
 
       return _jax.trace_to_closed_jaxpr(
-          fn, [*_jax.binder_types(closed), *rep_avals], 'intervene_rewrite'
+          fn,
+          [*_jax.binder_types(closed), *rep_avals, *index_avals],
+          'intervene_rewrite',
       )
 
-    return cached_rewrite(closed, key, fns, build, self.token)
+    return cached_rewrite(closed, key, fns, build, self.token, loop)
 
   # -- the sow --------------------------------------------------------------
 
@@ -535,7 +549,9 @@ class Injector:
     n = len(invals) - p['n_closure']
     linear = jax.tree_util.tree_unflatten(p['treedef'], invals[:n])
     value = jax.tree_util.tree_unflatten(p['treedef'], invals[n:])
-    fn_applied = functools.partial(_apply, fn, batch_dims=p['batch_dims'])
+    fn_applied = functools.partial(
+        _apply, fn, batch_dims=p['batch_dims'], name=p['sow_name']
+    )
     if p['kind'] == JVP_MARKER:
       out = jax.jvp(fn_applied, (value,), (linear,))[1]
     else:
@@ -556,7 +572,7 @@ class Injector:
     ]
 
 
-def cached_rewrite(closed, key, fns, build, token):
+def cached_rewrite(closed, key, fns, build, token, loop=None):
   """``cached(closed, key, build)`` for a rewrite that applies ``fns``.
 
   A callable is traced into the rewritten jaxpr, with whatever it reads
@@ -565,19 +581,30 @@ def cached_rewrite(closed, key, fns, build, token):
   same ``g`` again reuses it, as ``jax.jit`` reuses a trace, while a new
   ``intervene(f, {'h': steer})`` traces ``steer`` again. The entry is
   dropped when ``g`` is collected, so a sweep over many ``intervene`` calls
-  does not accumulate entries (or the tracers a lambda closes over).
+  does not accumulate entries (or the tracers a lambda closes over). A
+  rewrite whose callables read the index of an enclosing loop body
+  (``loop_indices()``; ``loop`` is the loop this rewrite is the body of)
+  closes over a tracer of that body's trace, and is not cached.
   """
   if not fns:
     return cached(closed, key, build)
   key = (*key, tuple(name for name, _ in fns))
-  return cached(closed, key, build, owner=token)
+  before = loop_index.outer_reads(loop)
+  return cached(
+      closed,
+      key,
+      build,
+      owner=token,
+      keep=lambda: loop_index.outer_reads(loop) == before,
+  )
 
 
-def _apply(fn, value, batch_dims: int):
+def _apply(fn, value, batch_dims: int, name: Name):
   """``fn`` applied to one example's value (``vmap``-ed over batch axes)."""
   for _ in range(batch_dims):
     fn = jax.vmap(fn)
-  return fn(value)
+  with loop_index.applying(repr(name)):
+    return fn(value)
 
 
 # ----------------------------------------------------------------------------
@@ -621,10 +648,14 @@ def one_body(injector, closed, *, length=None):
   counts = injector.consumed(closed.jaxpr)
   leaves, spec = injector.take(counts, length)
   avals = [_jax.typeof(x) for x in leaves]
-  if length is not None:
-    avals = [_jax.ShapedArray(a.shape[1:], a.dtype) for a in avals]
-  new = injector.rewrite(closed, spec, avals)
-  return new, leaves
+  if length is None:
+    return injector.rewrite(closed, spec, avals), leaves
+  # A loop body: the row index joins the trailing xs where a callable asks.
+  avals = [_jax.ShapedArray(a.shape[1:], a.dtype) for a in avals]
+  new, index = loop_index.with_index(
+      length, lambda loop: injector.rewrite(closed, spec, avals, loop)
+  )
+  return new, leaves if index is None else [*leaves, index]
 
 
 # ----------------------------------------------------------------------------

@@ -38,6 +38,7 @@ import collections
 
 
 from flax.nnx.sow import _jax
+from flax.nnx.sow import loop_index
 from flax.nnx.sow import _jax_patches
 from flax.nnx.sow.collect import Collector
 from flax.nnx.sow.collect import cached
@@ -194,8 +195,9 @@ def _while_intervene(injector, eqn, invals):
           ' is not known, so values[name] cannot be a tuple of arrays. Pass'
           ' a callable (values[name] = fn, applied at every iteration).'
       )
-  cond = injector.rewrite(p['cond_jaxpr'], (), ())
-  body = injector.rewrite(p['body_jaxpr'], (), ())
+  with loop_index.no_index('`lax.while_loop`'):
+    cond = injector.rewrite(p['cond_jaxpr'], (), ())
+    body = injector.rewrite(p['body_jaxpr'], (), ())
   outs, _ = bind_while(eqn, invals, cond, body)
   return outs
 

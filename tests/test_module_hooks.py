@@ -172,6 +172,104 @@ class ModuleOutputsTest(absltest.TestCase):
       module_outputs(_forward, 'mlp')
 
 
+def _pattern_by_hand(attn, x):
+  """Softmax over keys of the scaled query-key products, per head."""
+  q, k = attn.query(x), attn.key(x)
+  logits = jnp.einsum('bqhd,bkhd->bhqk', q, k) / jnp.sqrt(q.shape[-1])
+  return jax.nn.softmax(logits, axis=-1)
+
+
+class AttentionWeightsTest(absltest.TestCase):
+  """``attention_weights=True``: the pattern of each attention a hook point."""
+
+  def setUp(self):
+    super().setUp()
+    self.model = Model(nnx.Rngs(0))
+    self.x = jnp.linspace(-1.0, 1.0, 15).reshape(1, 5, 3)
+    self.f = module_outputs(
+        _forward, nnx.MultiHeadAttention, attention_weights=True
+    )
+
+  def test_captured_pattern_is_the_softmax(self):
+    m = self.model
+    by_hand = _by_hand(m, self.x)
+    for wrap in (lambda g: g, jax.jit):
+      out, c = wrap(capture(self.f))(m, self.x)
+      np.testing.assert_allclose(out, by_hand['out'], rtol=1e-5, atol=1e-6)
+      (p0,) = c[('blocks', 0, 'attn', '__call__', 'attention_weights')]
+      (p1,) = c[('blocks', 1, 'attn', '__call__', 'attention_weights')]
+      np.testing.assert_allclose(
+          p0, _pattern_by_hand(m.blocks[0].attn, by_hand['embed']),
+          rtol=1e-5, atol=1e-6)
+      b1_in = by_hand['b0']
+      np.testing.assert_allclose(
+          p1, _pattern_by_hand(m.blocks[1].attn, b1_in), rtol=1e-5,
+          atol=1e-6)
+      self.assertEqual(p0.shape, (1, 2, 5, 5))
+
+  def test_a_replaced_pattern_is_what_the_values_are_averaged_with(self):
+    m, x = self.model, self.x
+    name = ('blocks', 1, 'attn', '__call__', 'attention_weights')
+    # Head 0 attends to position 0 only; head 1 keeps its pattern.
+    def to_first(n, w):
+      return w.at[:, 0].set(jax.nn.one_hot(0, w.shape[-1]))
+
+    e = m.embed(x)
+    b0 = m.blocks[0](e)
+    attn = m.blocks[1].attn
+    w = _pattern_by_hand(attn, b0).at[:, 0].set(jax.nn.one_hot(0, 5))
+    z = jnp.einsum('bhqk,bkhd->bqhd', w, attn.value(b0))
+    b1_in = b0 + attn.out(z)
+    b1 = b1_in + jnp.tanh(m.blocks[1].mlp(b1_in))
+    expected = m.head(b1)
+    for wrap in (lambda g: g, jax.jit):
+      got = wrap(intervene(self.f, to_first, names=[name]))(m, x)
+      np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+  def test_attribution_cotangent_of_the_pattern(self):
+    m, x = self.model, self.x
+    f = module_outputs(_forward, nnx.MultiHeadAttention, grad=True,
+                       attention_weights=True)
+    name = ('blocks', 0, 'attn', '__call__', 'attention_weights')
+    _, c = capture(nnx.grad(lambda m, x: f(m, x).sum(), argnums=1))(m, x)
+    (cot,) = c[('grad', *name)]
+    (w,) = capture(self.f)(m, x)[1][name]
+    # The same cotangent through intervene's replacement of the pattern.
+    expected = jax.grad(
+        lambda w: intervene(self.f, {name: (w,)})(m, x).sum()
+    )(w)
+    np.testing.assert_allclose(cot, expected, rtol=1e-5, atol=1e-6)
+
+  def test_no_pattern_without_the_flag_and_flax_restored(self):
+    from flax.nnx.nn import attention as attention_lib  # pylint: disable=g-import-not-at-top
+    from flax.nnx.sow.nnx import flax_hooks  # pylint: disable=g-import-not-at-top
+
+    _, c = capture(module_outputs(_forward, nnx.MultiHeadAttention))(
+        self.model, self.x
+    )
+    self.assertEqual(
+        list(c),
+        [('blocks', 0, 'attn', '__call__'), ('blocks', 1, 'attn', '__call__')],
+    )
+    # The caller's own sow_weights=True still sows Flax's Intermediate.
+    attn = nnx.MultiHeadAttention(
+        num_heads=2, in_features=4, qkv_features=4, decode=False,
+        rngs=nnx.Rngs(1))
+    x = jnp.linspace(-1.0, 1.0, 20).reshape(1, 5, 4)
+    f = module_outputs(lambda m, x: m(x, sow_weights=True),
+                       nnx.MultiHeadAttention, attention_weights=True)
+    _, state = nnx.capture(f, nnx.Intermediate)(attn, x)
+    (sown,) = state['attention_weights'].get_value()
+    np.testing.assert_allclose(sown, _pattern_by_hand(attn, x), rtol=1e-5,
+                               atol=1e-6)
+    # Outside a hooked call, the installed function is Flax's.
+    replaced = attention_lib.dot_product_attention_weights
+    self.assertIsNot(replaced, flax_hooks.original('attention_weights'))
+    q, k = attn.query(x), attn.key(x)
+    np.testing.assert_array_equal(
+        replaced(q, k), flax_hooks.original('attention_weights')(q, k))
+
+
 class Stacked(nnx.Module):
 
   def __init__(self, rngs):

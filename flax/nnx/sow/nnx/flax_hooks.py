@@ -42,6 +42,7 @@ from flax import nnx
 from flax.nnx import extract as _extract
 from flax.nnx import graphlib as _graphlib
 from flax.nnx import module as _module_lib
+from flax.nnx.nn import attention as _attention_lib
 from flax.nnx.transforms import iteration as _iteration
 
 FLAX_VERSIONS = 'flax 0.12.8 (flax>=0.12.8,<0.13 in pyproject.toml)'
@@ -202,6 +203,23 @@ INVENTORY: tuple[Hook, ...] = (
             ('vmap_body', _iteration.VmapFn, 'nnx.vmap'),
             ('simple_vmap_body', _iteration.SimpleVmapFn, 'nnx.vmap'),
         )
+    ),
+    Hook(
+        'attention_weights',
+        ((_attention_lib, 'dot_product_attention_weights'),),
+        'flax.nnx.nn.attention.dot_product_attention_weights (looked up by'
+        ' dot_product_attention, the default attention_fn)',
+        'hooks.py',
+        '`module_outputs(..., attention_weights=True)` makes the weights'
+        ' of a selected `MultiHeadAttention` call a hook point (a sow whose'
+        ' replacement the values are averaged with); Flax computes them'
+        ' inside the function, where no module method returns them. While'
+        ' no such call runs on the thread, the replacement calls Flax\'s'
+        ' function unchanged.',
+        'A hook point for the attention weights in `dot_product_attention`'
+        ' (e.g. passing them through a replaceable `Module.sow`, one that'
+        ' returns the value it sows).',
+        wraps=True,
     ),
     Hook(
         'method_outputs',

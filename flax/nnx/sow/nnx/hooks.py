@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import threading
 import typing as tp
 
@@ -69,6 +70,15 @@ class _Request:
   select: Selector
   grad: bool
   inputs: bool
+  attention_weights: bool
+
+  def wants(self, what: str | None) -> bool:
+    """Whether this request makes ``what`` of a selected call a hook point
+    (``None``: the output)."""
+    return what is None or getattr(self, _WHAT[what])
+
+
+_WHAT = {'input': 'inputs', 'attention_weights': 'attention_weights'}
 
 
 class _Local(threading.local):
@@ -76,6 +86,9 @@ class _Local(threading.local):
   def __init__(self):
     super().__init__()
     self.requests: list[_Request] = []
+    # The MultiHeadAttention calls whose weights are hook points, innermost
+    # last: (module, whether the caller passed sow_weights=True).
+    self.attention: list[tuple[tp.Any, bool]] = []
 
 
 _LOCAL = _Local()
@@ -118,6 +131,7 @@ def module_outputs(
     *,
     grad: bool = False,
     inputs: bool = False,
+    attention_weights: bool = False,
 ) -> tp.Callable[..., tp.Any]:
   """``f`` with the outputs of NNX module calls as hook points.
 
@@ -157,6 +171,16 @@ def module_outputs(
       runs: a replacement is what the module receives (e.g. the per-head
       values that an attention's output projection mixes, TransformerLens'
       ``hook_z``).
+    attention_weights: also make the attention weights of each selected
+      ``nnx.MultiHeadAttention`` call a hook point, under ``(*path,
+      '__call__', 'attention_weights')``: the softmax over keys, shape
+      ``(*batch, heads, q_length, kv_length)``, that the values are averaged
+      with (TransformerLens' ``hook_pattern``); a replacement is what they
+      are averaged with. The call then runs Flax's explicit attention (as
+      with ``sow_weights=True``) instead of ``jax.nn.dot_product_attention``:
+      the same values up to rounding. Only the default ``attention_fn``
+      (``nnx.dot_product_attention``) computes weights; with dropout on,
+      they are the weights after dropout.
 
   Returns:
     A function with ``f``'s signature and return value.
@@ -166,7 +190,7 @@ def module_outputs(
     ValueError: (when called) a selected module would share its path with
       another module (see ``Module.sow``).
   """
-  request = _Request(_selector(modules), grad, inputs)
+  request = _Request(_selector(modules), grad, inputs, attention_weights)
 
   @functools.wraps(f)
   def hooked(*args, **kwargs):
@@ -224,7 +248,10 @@ def _method_wrapper(method_name: str, method):
     hooked = method_name == '__call__' and SCOPES.scopes and _LOCAL.requests
     if hooked and args and any(r.inputs for r in _LOCAL.requests):
       args = (_hook_point(self, args[0], 'input'), *args[1:])
-    result = method(self, *args, **kwargs)
+    if hooked and _weights_requested(self):
+      result = _with_weights_hooked(method, self, args, kwargs)
+    else:
+      result = method(self, *args, **kwargs)
     if not SCOPES.scopes:
       return result
     method_output_recorder(self, method_name, result)
@@ -257,8 +284,57 @@ def _hook_point(self, value, what: str | None = None):
   _, path = found
   for request in reversed(_LOCAL.requests):
     if request.select(path, self):
-      if what is not None and not request.inputs:
+      if not request.wants(what):
         return value
       name = (*path, '__call__') + ((what,) if what else ())
       return _core_sow(value, name=name, tag=ModuleOutput, grad=request.grad)
   return value
+
+
+# Attention weights (the ``attention_weights`` entry of ``flax_hooks.py``).
+
+_WEIGHTS_SIGNATURE = inspect.signature(
+    flax_hooks.original('attention_weights')
+)
+
+
+def _weights_requested(self) -> bool:
+  """Whether ``self`` is an attention whose weights a request selects."""
+  if not isinstance(self, nnx.MultiHeadAttention) or not any(
+      r.attention_weights for r in _LOCAL.requests
+  ):
+    return False
+  found = _named(self, list(reversed(SCOPES.scopes)), 'module_outputs')
+  if found is None:
+    return False
+  _, path = found
+  for request in reversed(_LOCAL.requests):
+    if request.select(path, self):
+      return request.attention_weights
+  return False
+
+
+def _with_weights_hooked(method, self, args, kwargs):
+  # sow_weights=True passes the module to dot_product_attention, which then
+  # computes the weights explicitly (and calls the function below).
+  _LOCAL.attention.append((self, bool(kwargs.get('sow_weights', False))))
+  try:
+    return method(self, *args, **dict(kwargs, sow_weights=True))
+  finally:
+    _LOCAL.attention.pop()
+
+
+def _attention_weights(original, *args, **kwargs):
+  if not _LOCAL.attention:
+    return original(*args, **kwargs)
+  bound = _WEIGHTS_SIGNATURE.bind(*args, **kwargs)
+  module, caller_sows = _LOCAL.attention[-1]
+  if bound.arguments.get('module') is not module:
+    return original(*args, **kwargs)
+  if not caller_sows:  # the module was passed for the hook alone
+    bound.arguments['module'] = None
+  weights = original(*bound.args, **bound.kwargs)
+  return _hook_point(module, weights, 'attention_weights')
+
+
+flax_hooks.register('attention_weights', _attention_weights)

@@ -1586,10 +1586,18 @@ class ErrorTest(parameterized.TestCase):
 
     with self.assertRaisesRegex(
         NotImplementedError,
-        r"sow 'h' \(at .*\) is inside `xla_metadata_call`.*no rule"
+        r"sow 'h' \(at .*\) is inside `xla_metadata_call`.*no intervene rule"
         r'.*intervene_rules',
     ):
       intervene(f, {'h': lambda v: v})(X)
+    # capture's error for the same construct comes from the same builder.
+    with self.assertRaisesRegex(
+        NotImplementedError,
+        r"^capture: sow 'h' \(at .*\) is inside `xla_metadata_call`"
+        r' \(primitive `xla_metadata_call` has no capture rule\), so'
+        r' capture cannot collect it\..*collect_rules',
+    ):
+      capture(f)(X)
 
   def test_array_inside_shard_map(self):
     mesh = jax.make_mesh((2,), ('i',), devices=jax.devices()[:2])

@@ -862,18 +862,44 @@ def interpret(jaxpr, consts, args, handler, rules, unsupported) -> list:
   return [_jax.as_value(read(v)) for v in jaxpr.outvars]
 
 
+def no_rule_error(transform: str, eqn, sites) -> NotImplementedError:
+  """The error for a sow inside a construct ``transform`` has no rule for.
+
+  Args:
+    transform: ``'capture'`` or ``'intervene'``.
+    eqn: the equation of the construct (a higher-order primitive).
+    sites: the sow sites inside it that the transform would act on.
+  """
+  names = sorted({repr(s.name) for s in sites})
+  what, registry, fix = _NO_RULE[transform]
+  return NotImplementedError(
+      f'{transform}: sow {", ".join(names)}{sites[0].where} is inside'
+      f' {construct_name(eqn.primitive)} (primitive `{eqn.primitive.name}`'
+      f' has no {transform} rule), so {transform} cannot {what} it. {fix},'
+      f' or register a rule for the primitive in {registry} (see'
+      ' CONTRIBUTING.md, *Adding a construct*).'
+  )
+
+
+_NO_RULE = {
+    'capture': (
+        'collect',
+        'flax.nnx.sow.collect_rules',
+        'Sow the value outside that construct (return it from it and sow'
+        ' the result)',
+    ),
+    'intervene': (
+        'replace',
+        'flax.nnx.sow.inject.intervene_rules',
+        'Replace the value outside that construct (return it from it and'
+        ' sow the result there)',
+    ),
+}
+
+
 def _unsupported(eqn, collector) -> NotImplementedError:
   sites = collector.accepted_sites(_jax.jaxprs_in_params(eqn.params))
-  names = sorted({repr(s.name) for s in sites})
-  return NotImplementedError(
-      f'sow {", ".join(names)}{sites[0].where}: capture cannot collect sows'
-      ' inside'
-      f' {construct_name(eqn.primitive)} (primitive `{eqn.primitive.name}`'
-      ' has no capture rule). Sow the value outside that construct (return'
-      ' it from it and sow the result), or register a rule for the'
-      ' primitive in flax.nnx.sow.collect_rules (see'
-      ' CONTRIBUTING.md).'
-  )
+  return no_rule_error('capture', eqn, sites)
 
 
 def is_array(x) -> bool:

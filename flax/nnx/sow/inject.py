@@ -57,7 +57,7 @@ from flax.nnx.sow.sites import accepts
 from flax.nnx.sow.sites import as_jaxpr
 from flax.nnx.sow.collect import cached
 from flax.nnx.sow.collect import interpret
-from flax.nnx.sow.sites import construct_name
+from flax.nnx.sow.collect import no_rule_error
 from flax.nnx.sow.sites import sow_sites
 from flax.nnx.sow.capturing import stage
 from flax.nnx.sow.sites import where
@@ -628,13 +628,7 @@ def _unsupported(eqn, injector) -> NotImplementedError:
       for s in sow_sites(sub)
       if injector.targets(s.eqn.params)
   ]
-  return NotImplementedError(
-      f'intervene: sow {sites[0].name!r}{sites[0].where} is inside'
-      f' {construct_name(eqn.primitive)} (primitive `{eqn.primitive.name}`),'
-      ' which intervene has no rule for. Replace the value outside that'
-      ' construct, or register a rule in'
-      ' flax.nnx.sow.inject.intervene_rules.'
-  )
+  return no_rule_error('intervene', eqn, sites)
 
 
 # ----------------------------------------------------------------------------

@@ -275,32 +275,42 @@ class _EagerJitted:
         for x, st in zip(leaves, static)
     )
     statics = tuple(x for x, a in zip(leaves, mask) if not a)
+    run = self._compiled(in_tree, mask, statics, leaves)
+    if run is None:  # an unhashable static leaf
+      return None
+    return run(accepts_key, *(x for x, a in zip(leaves, mask) if a))
+
+  def _compiled(self, in_tree, mask, statics, leaves):
+    """The ``jax.jit`` of the capture for this argument structure, made
+    once and kept per ``f``; ``None`` where a static leaf is unhashable."""
     types = tuple(
         type(x) for x, a in zip(leaves, mask) if a and not is_array(x)
     )
     key = (in_tree, mask, statics, types)
-    per_f = self._cache.get(self.f)
     try:
-      run = None if per_f is None else per_f.get(key)
-    except TypeError:  # an unhashable static leaf
+      hash(key)
+    except TypeError:
       return None
-    if run is None:
-      run = jax.jit(
-          functools.partial(
-              _run_captured,
-              weakref.ref(self.f),  # the cache must not keep f alive
-              in_tree,
-              mask,
-              statics,
-          ),
-          static_argnums=0,  # the selection
-      )
-      with self._lock:
-        per_f = self._cache.setdefault(self.f, {})
-        if len(per_f) >= self._MAX_ENTRIES:
-          per_f.pop(next(iter(per_f)))
-        per_f[key] = run
-    return run(accepts_key, *(x for x, a in zip(leaves, mask) if a))
+    per_f = self._cache.get(self.f)
+    run = None if per_f is None else per_f.get(key)
+    if run is not None:
+      return run
+    run = jax.jit(
+        functools.partial(
+            _run_captured,
+            weakref.ref(self.f),  # the cache must not keep f alive
+            in_tree,
+            mask,
+            statics,
+        ),
+        static_argnums=0,  # the selection
+    )
+    with self._lock:
+      per_f = self._cache.setdefault(self.f, {})
+      if len(per_f) >= self._MAX_ENTRIES:
+        per_f.pop(next(iter(per_f)))
+      per_f[key] = run
+    return run
 
 
 _NUMBERS = (bool, int, float, complex, np.generic)

@@ -250,10 +250,28 @@ def _matched_to_markers(markers, cotangents) -> list[tp.Any] | None:
   if not markers or not cotangents:
     return None
   reverse = [m.ordinal for m in reversed(markers)]
-  if any(isinstance(o, BranchOrdinal) or o is None for o in reverse) or any(
-      isinstance(s.ordinal, BranchOrdinal) for s, _ in cotangents
-  ):
+  if _by_ordinals_only(reverse, cotangents):
     return None
+  passes = _backward_passes(reverse, cotangents)
+  if passes is None:
+    return None
+  if len(set(reverse)) < len(reverse) and any(
+      len(p) < len(reverse) for p in passes
+  ):
+    raise _shared_trace_error(markers[0].name, len(reverse))
+  return [p[j] for p in passes for j in sorted(p, reverse=True)]
+
+
+def _by_ordinals_only(reverse, cotangents) -> bool:
+  """Whether a marker or a cotangent has no plain ordinal to match by."""
+  return any(
+      isinstance(o, BranchOrdinal) or o is None for o in reverse
+  ) or any(isinstance(s.ordinal, BranchOrdinal) for s, _ in cotangents)
+
+
+def _backward_passes(reverse, cotangents) -> list[dict[int, tp.Any]] | None:
+  """Per backward pass, the cotangents by the index of their marker in
+  ``reverse``; ``None`` for a cotangent no marker has."""
   passes: list[dict[int, tp.Any]] = []
   pos = len(reverse)
   for spec, value in cotangents:
@@ -265,20 +283,20 @@ def _matched_to_markers(markers, cotangents) -> list[tp.Any] | None:
       passes.append({})
     passes[-1][j] = value
     pos = j + 1
-  if len(set(reverse)) < len(reverse) and any(
-      len(p) < len(reverse) for p in passes
-  ):
-    raise ValueError(
-        f'capture: perturb {markers[0].name!r} is called {len(reverse)}'
-        ' times, some of them through one cached trace (a jax.jit or'
-        ' jax.checkpoint function called more than once), and a backward'
-        ' pass gives only some of those calls a cotangent (the others'
-        ' perturb values the differentiated inputs do not reach), so which'
-        ' call a cotangent belongs to cannot be told. Give the calls their'
-        ' own names (e.g. name=(name, i)), or perturb only values that are'
-        ' differentiated.'
-    )
-  return [p[j] for p in passes for j in sorted(p, reverse=True)]
+  return passes
+
+
+def _shared_trace_error(name, calls: int) -> ValueError:
+  return ValueError(
+      f'capture: perturb {name!r} is called {calls}'
+      ' times, some of them through one cached trace (a jax.jit or'
+      ' jax.checkpoint function called more than once), and a backward'
+      ' pass gives only some of those calls a cotangent (the others'
+      ' perturb values the differentiated inputs do not reach), so which'
+      ' call a cotangent belongs to cannot be told. Give the calls their'
+      ' own names (e.g. name=(name, i)), or perturb only values that are'
+      ' differentiated.'
+  )
 
 
 def _next_index(seq, value, start: int) -> int | None:

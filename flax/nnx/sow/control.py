@@ -147,13 +147,8 @@ class ControlPass:
     eqns = []
     changed = False
     for eqn in jaxpr.eqns:
-      if subst and any(
-          isinstance(v, _jax.Var) and v in subst for v in eqn.invars
-      ):
-        new = eqn.replace(invars=[_read(v, subst) for v in eqn.invars])
-        changed = True
-      else:
-        new = eqn
+      new = _substituted(eqn, subst)
+      changed = changed or new is not eqn
       in_ax = [axes_of(v, env) for v in new.invars]
       if eqn.primitive is sow_p:
         out_ax, marked = self._sow(eqn, new, in_ax, scope, edit, eqns, subst)
@@ -164,10 +159,7 @@ class ControlPass:
         if edited is not None:
           new, changed = edited, True
         eqns.append(new)
-      for v, a in zip(eqn.outvars, out_ax):
-        a = a - _jax.varying_axes(v.aval)
-        if a:
-          env[v] = a
+      _record_axes(env, eqn.outvars, out_ax)
     outvars = [_read(v, subst) for v in jaxpr.outvars]
     out_axes = tuple(axes_of(v, env) for v in outvars)
     if not (edit and changed):
@@ -214,6 +206,23 @@ class ControlPass:
 
 def _read(atom, subst):
   return subst.get(atom, atom) if isinstance(atom, _jax.Var) else atom
+
+
+def _substituted(eqn, subst):
+  """``eqn`` reading the substitutes of its operands (itself if none)."""
+  if not subst or not any(
+      isinstance(v, _jax.Var) and v in subst for v in eqn.invars
+  ):
+    return eqn
+  return eqn.replace(invars=[_read(v, subst) for v in eqn.invars])
+
+
+def _record_axes(env, outvars, out_axes) -> None:
+  """Records the control axes of ``outvars`` that their types lack."""
+  for v, a in zip(outvars, out_axes):
+    a = a - _jax.varying_axes(v.aval)
+    if a:
+      env[v] = a
 
 
 def _call_rule(control: ControlPass, eqn, in_axes, scope, edit):

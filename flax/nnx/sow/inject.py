@@ -863,25 +863,29 @@ class Hook:
     """One callable per selected name the program sows (not reduced)."""
     sites = replaceable_sites(jaxpr, accepts_key)
     sown = list(dict.fromkeys(s.name for s in sites))
-    reduced = {s.name for s in sites if s.reduction is not None}
     if isinstance(self.names, frozenset):
-      missing = [n for n in self.names if n not in sown]
-      if missing and strict:
-        raise ValueError(
-            f'intervene: names= lists {missing[0]!r}, which no sow that this'
-            ' intervene accepts uses.'
-            f'{names_lib.did_you_mean(missing[0], sown)} Check the names'
-            ' (capture(f) returns them), or pass strict=False.'
-        )
-      chosen = [n for n in sown if n in self.names]
+      chosen = self._listed(sown, strict)
     else:
       # A predicate selects silently; reduced names have no value to hook.
+      reduced = {s.name for s in sites if s.reduction is not None}
       chosen = [
           n
           for n in sown
           if n not in reduced and (self.names is None or self.names(n))
       ]
     return {n: functools.partial(self.fn, n) for n in chosen}
+
+  def _listed(self, sown: list[Name], strict: bool) -> list[Name]:
+    """The listed names, in program order; with ``strict``, every one."""
+    missing = [n for n in self.names if n not in sown]
+    if missing and strict:
+      raise ValueError(
+          f'intervene: names= lists {missing[0]!r}, which no sow that this'
+          ' intervene accepts uses.'
+          f'{names_lib.did_you_mean(missing[0], sown)} Check the names'
+          ' (capture(f) returns them), or pass strict=False.'
+      )
+    return [n for n in sown if n in self.names]
 
 
 def _hook(values, names_) -> Hook:

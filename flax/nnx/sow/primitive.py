@@ -522,9 +522,10 @@ def _sow_transpose(cts, *args, **params):
 _jax.primitive_transposes[sow_p] = _sow_transpose
 
 
-def _sow_batch(axis_data, leaves, dims, **params):
-  key = intervening()
-  if (
+def _replaced_by_callable_unbatched(key, params, dims) -> bool:
+  """Whether an intervene being staged replaces this unbatched plain sow by
+  a callable (it then stays unbatched where it is, see _kept_unbatched)."""
+  return (
       key is not None
       and params['effect']
       and params['kind'] == 'value'
@@ -532,7 +533,12 @@ def _sow_batch(axis_data, leaves, dims, **params):
       and all(d is None for d in dims)
       and key.replaces(params)
       and params['sow_name'] not in key.arrays
-  ):
+  )
+
+
+def _sow_batch(axis_data, leaves, dims, **params):
+  key = intervening()
+  if _replaced_by_callable_unbatched(key, params, dims):
     return _kept_unbatched(axis_data, leaves, params)
   # The sown value gets the mapped axis first, like vmap's outputs; the
   # results keep the operands' own axes, so the sow stays an identity.

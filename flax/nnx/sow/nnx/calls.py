@@ -140,20 +140,8 @@ def functional_graph_call(
   user_f = f if refers_to is None else refers_to
   nodes = []
   if not in_place:  # else ``f`` gets the arguments as they are
-    leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_graph_leaf)
-    positions = [
-        i
-        for i, x in enumerate(leaves)
-        if not isinstance(x, jax.Array) and is_graph_leaf(x)
-    ]
+    args, kwargs, leaves, treedef, positions = _graph_leaves(args, kwargs)
     nodes = [leaves[i] for i in positions]
-    if any(isinstance(x, np.ndarray) for x in leaves):
-      # NumPy arrays reach ``f`` as JAX arrays, as they would traced. (Run
-      # in place, ``f`` gets the caller's objects, NumPy arrays included.)
-      leaves = [
-          jnp.asarray(x) if isinstance(x, np.ndarray) else x for x in leaves
-      ]
-      args, kwargs = jax.tree.unflatten(treedef, leaves)
   # With no graph node to split, a functional capture names its roots when
   # a module first asks for its path.
   if lazy and not nodes:
@@ -166,6 +154,29 @@ def functional_graph_call(
     if all(_is_plain_variable(n) for n in nodes):
       return _variables_call(stage, f, leaves, treedef, positions, nodes)
     return _split_call(stage, f, scope, leaves, treedef, positions, nodes)
+
+
+def _graph_leaves(args, kwargs):
+  """``(args, kwargs)`` flattened to graph leaves, and the positions of the
+  graph nodes among them; NumPy arrays become JAX arrays, as they would
+  traced (run in place, ``f`` gets the caller's objects, NumPy arrays
+  included).
+
+  Returns:
+    ``(args, kwargs, leaves, treedef, positions)``.
+  """
+  leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_graph_leaf)
+  positions = [
+      i
+      for i, x in enumerate(leaves)
+      if not isinstance(x, jax.Array) and is_graph_leaf(x)
+  ]
+  if any(isinstance(x, np.ndarray) for x in leaves):
+    leaves = [
+        jnp.asarray(x) if isinstance(x, np.ndarray) else x for x in leaves
+    ]
+    args, kwargs = jax.tree.unflatten(treedef, leaves)
+  return args, kwargs, leaves, treedef, positions
 
 
 def _keyed(f):

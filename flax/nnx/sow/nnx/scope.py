@@ -247,21 +247,7 @@ def _choose_roots(args: tuple, kwargs: dict, f, referenced) -> list:
   ]
   candidates = [(n, p, True) for n, p in from_args]
   candidates += [(n, p, False) for n, p in referenced]
-  kept: list[tuple[tp.Any, Path, bool]] = []
-  # Every graph node under a kept root: walked only once a candidate other
-  # than a kept root itself has to be tested (one module, passed and
-  # referenced, is never walked here).
-  inside: set[int] | None = None
-  for node, path, is_arg in candidates:
-    if any(node is k for k, _, _ in kept):
-      continue
-    if kept and inside is None:
-      inside = {id(o) for k, _, _ in kept for _, o in _graph_nodes(k)}
-    if (inside is not None and id(node) in inside) or not _holds_module(node):
-      continue
-    kept.append((node, path, is_arg))
-    if inside is not None:
-      inside.update(id(obj) for _, obj in _graph_nodes(node))
+  kept = _outermost_modules(candidates)
   if len(kept) == 1:
     return [(kept[0][0], ())]
   if len({is_arg for _, _, is_arg in kept}) == 1:
@@ -275,6 +261,28 @@ def _choose_roots(args: tuple, kwargs: dict, f, referenced) -> list:
       else (node, p)
       for node, p, is_arg in kept
   ]
+
+
+def _outermost_modules(candidates):
+  """The candidates that hold a Module and are not inside one kept before.
+
+  Every graph node under a kept root is walked only once a candidate other
+  than a kept root itself has to be tested (one module, passed and
+  referenced, is never walked here).
+  """
+  kept: list[tuple[tp.Any, Path, bool]] = []
+  inside: set[int] | None = None
+  for node, path, is_arg in candidates:
+    if any(node is k for k, _, _ in kept):
+      continue
+    if kept and inside is None:
+      inside = {id(o) for k, _, _ in kept for _, o in _graph_nodes(k)}
+    if (inside is not None and id(node) in inside) or not _holds_module(node):
+      continue
+    kept.append((node, path, is_arg))
+    if inside is not None:
+      inside.update(id(obj) for _, obj in _graph_nodes(node))
+  return kept
 
 
 class _Merged:
@@ -785,14 +793,7 @@ def _referenced_values(fn) -> tp.Iterator[tuple[tp.Any, Path]]:
   same module, so library code is not searched).
   """
   if isinstance(fn, functools.partial):
-    yield fn.func, ()
-    try:
-      params = list(inspect.signature(fn.func).parameters)
-    except (TypeError, ValueError):
-      params = []
-    for i, a in enumerate(fn.args):
-      yield a, (params[i] if i < len(params) else i,)
-    yield from ((a, (k,)) for k, a in fn.keywords.items())
+    yield from _partial_values(fn)
     return
   if isinstance(fn, types.MethodType):
     code = getattr(fn.__func__, '__code__', None)
@@ -802,14 +803,36 @@ def _referenced_values(fn) -> tp.Iterator[tuple[tp.Any, Path]]:
   wrapped = getattr(fn, '__wrapped__', None)
   if wrapped is not None:
     yield wrapped, ()
-  if not isinstance(fn, types.FunctionType):
-    return
+  if isinstance(fn, types.FunctionType):
+    yield from _closure_values(fn)
+    yield from _global_values(fn)
+
+
+def _partial_values(fn: functools.partial):
+  """A partial's function, and its arguments by parameter or keyword."""
+  yield fn.func, ()
+  try:
+    params = list(inspect.signature(fn.func).parameters)
+  except (TypeError, ValueError):
+    params = []
+  for i, a in enumerate(fn.args):
+    yield a, (params[i] if i < len(params) else i,)
+  yield from ((a, (k,)) for k, a in fn.keywords.items())
+
+
+def _closure_values(fn: types.FunctionType):
+  """The contents of ``fn``'s closure cells, by free variable name."""
   for var, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
     try:
       contents = cell.cell_contents
     except ValueError:  # an empty cell
       continue
     yield contents, (var,)
+
+
+def _global_values(fn: types.FunctionType):
+  """The globals ``fn`` loads, by name; a function only when defined in
+  ``fn``'s module (library code is not searched)."""
   for name in _global_names(fn.__code__):
     x = fn.__globals__.get(name)
     if callable(x) and not is_graph_node(x):

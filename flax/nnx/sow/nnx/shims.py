@@ -401,20 +401,10 @@ def module_sow(
   init = scope.init.get(full)
   has_init = init is not None and init[0] is variable_type
   key = (full, variable_type)
-  held = _NOTHING
-  if has_init:
-    # init= holds this sow's starting value (Flax sets the attribute to it
-    # before the call): the accumulator starts from it (a tuple of values
-    # for the default reduce_fn, which then appends to it).
-    held = init[1]
-    if accepted and scope.kind == 'nnx' and _no_arrays(held):
-      # A Python value: Flax folds on from it in Python.
-      if key not in scope.to_core:
-        scope.python.setdefault(key, held)
-  if accepted and scope.kind == 'nnx' and (not has_init or key in scope.python):
-    held = _fold_in_python(scope, key, value, reduce_fn, init_fn)
-    if held is _IN_PYTHON:
-      return True
+  held = _held_before(scope, key, init if has_init else None, accepted,
+                      value, reduce_fn, init_fn)
+  if held is _IN_PYTHON:
+    return True
   if reduce_fn is _TUPLE_REDUCE and not has_init:
     if held is not _NOTHING:  # the entries before, held in Python
       scope.prefix[(full, variable_type)] = held
@@ -437,6 +427,29 @@ def module_sow(
       ),
   )
   return accepted
+
+
+def _held_before(scope, key, init, accepted, value, reduce_fn, init_fn):
+  """What a ``Module.sow`` folds into: ``init``'s value, the accumulator
+  Flax would hold in Python, ``_IN_PYTHON`` where this sow was folded there,
+  or ``_NOTHING``.
+
+  ``init``: ``(variable_type, value)`` of ``init=`` for this sow, or
+  ``None``.
+  """
+  held = _NOTHING
+  in_nnx = accepted and scope.kind == 'nnx'
+  if init is not None:
+    # init= holds this sow's starting value (Flax sets the attribute to it
+    # before the call): the accumulator starts from it (a tuple of values
+    # for the default reduce_fn, which then appends to it).
+    held = init[1]
+    if in_nnx and _no_arrays(held) and key not in scope.to_core:
+      # A Python value: Flax folds on from it in Python.
+      scope.python.setdefault(key, held)
+  if in_nnx and (init is None or key in scope.python):
+    held = _fold_in_python(scope, key, value, reduce_fn, init_fn)
+  return held
 
 
 def module_perturb(self, name: str, value, variable_type=nnx.Perturbation):

@@ -327,6 +327,31 @@ class LayeringTest(absltest.TestCase):
     self.assertEqual(listed, on_disk)
 
 
+class ComplexityTest(absltest.TestCase):
+
+  def test_no_function_above_cyclomatic_complexity_15(self):
+    """McCabe complexity as radon counts it, for every function, method
+    and nested function of the package."""
+    from radon.complexity import cc_visit  # pylint: disable=g-import-not-at-top
+
+    def functions(blocks):
+      for b in blocks:
+        if hasattr(b, 'methods'):  # a class
+          yield from functions(b.methods)
+          yield from functions(getattr(b, 'inner_classes', ()))
+        else:
+          yield b
+          yield from functions(b.closures)
+
+    too_complex = [
+        f'{p.relative_to(PACKAGE)}:{f.lineno} {f.name} ({f.complexity})'
+        for p in sorted(PACKAGE.rglob('*.py'))
+        for f in functions(cc_visit(p.read_text()))
+        if f.complexity > 15
+    ]
+    self.assertEqual(too_complex, [])
+
+
 class JaxVersionGateTest(absltest.TestCase):
   """``_jax.py`` refuses an untested JAX at import, with the range it wants."""
 

@@ -278,17 +278,25 @@ def _hook_point(self, value, what: str | None = None):
   sown for the innermost request that selects ``self``."""
   if not jax.tree.leaves(value) or not is_array_tree(value):
     return value
+  found = _selecting_request(self)
+  if found is None or not found[1].wants(what):
+    return value
+  path, request = found
+  name = (*path, '__call__') + ((what,) if what else ())
+  return _core_sow(value, name=name, tag=ModuleOutput, grad=request.grad)
+
+
+def _selecting_request(self):
+  """``(path, request)``: ``self``'s path and the innermost request that
+  selects it, or ``None``."""
   found = _named(self, list(reversed(SCOPES.scopes)), 'module_outputs')
   if found is None:
-    return value
+    return None
   _, path = found
   for request in reversed(_LOCAL.requests):
     if request.select(path, self):
-      if not request.wants(what):
-        return value
-      name = (*path, '__call__') + ((what,) if what else ())
-      return _core_sow(value, name=name, tag=ModuleOutput, grad=request.grad)
-  return value
+      return path, request
+  return None
 
 
 # Attention weights (the ``attention_weights`` entry of ``flax_hooks.py``).
@@ -304,14 +312,8 @@ def _weights_requested(self) -> bool:
       r.attention_weights for r in _LOCAL.requests
   ):
     return False
-  found = _named(self, list(reversed(SCOPES.scopes)), 'module_outputs')
-  if found is None:
-    return False
-  _, path = found
-  for request in reversed(_LOCAL.requests):
-    if request.select(path, self):
-      return request.attention_weights
-  return False
+  found = _selecting_request(self)
+  return found is not None and found[1].attention_weights
 
 
 def _with_weights_hooked(method, self, args, kwargs):

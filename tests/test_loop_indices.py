@@ -141,6 +141,39 @@ class ScanTest(parameterized.TestCase):
             rtol=1e-6,
         )
 
+  def test_custom_rules_in_the_body_differentiated_later(self):
+    """JAX traces a custom_jvp's rule (a custom_vjp's forward pass) when the
+    program is differentiated, after the scan body's rewrite is done: the
+    index reaches them as an operand (it was a stale tracer)."""
+
+    @jax.custom_jvp
+    def soft(x):
+      return jnp.sin(sow(x, name='a'))
+
+    soft.defjvp(lambda p, t: (soft(p[0]), jnp.cos(p[0]) * t[0]))
+
+    @jax.custom_vjp
+    def hard(x):
+      return jnp.sin(sow(x, name='a'))
+
+    hard.defvjp(lambda x: (hard(x), jnp.cos(x)), lambda c, g: (c * g,))
+
+    xs = jnp.arange(1.0, 4.0)
+    twice_row_1 = lambda v: jnp.where(loop_indices()[0] == 1, 2.0 * v, v)
+    for fn in (soft, hard):
+      f = lambda xs, fn=fn: jax.lax.scan(
+          lambda c, x: (c + fn(x), None), 0.0, xs)[0]
+      g = intervene(f, {'a': twice_row_1})
+      patched = jnp.sin(xs * jnp.array([1.0, 2.0, 1.0]))
+      self.assertAlmostEqual(float(g(xs)), float(patched.sum()), places=5)
+      # A replacement inside a custom rule keeps the rule for the original
+      # inputs (the guide's custom-derivative rule): d/dx sin = cos(x).
+      for grad in (jax.grad(g), intervene(jax.grad(f), {'a': twice_row_1})):
+        np.testing.assert_allclose(grad(xs), jnp.cos(xs), rtol=1e-6)
+      value, grad = jax.jit(jax.value_and_grad(g))(xs)
+      np.testing.assert_allclose(value, patched.sum(), rtol=1e-6)
+      np.testing.assert_allclose(grad, jnp.cos(xs), rtol=1e-6)
+
   def test_vmap_inside_and_around(self):
     xs = jnp.arange(8.0).reshape(2, 4)  # (batch, steps) for the vmap around
     zero_row_3 = lambda v: jnp.where(loop_indices()[0] == 3, 0.0, v)

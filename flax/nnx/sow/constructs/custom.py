@@ -188,26 +188,47 @@ def _custom_jvp_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
   return collector.split_outputs(layout, outs, n_out)
 
 
+def _intervened_body(injector, closed, n_orig):
+  """The rewritten body of a custom call and what it takes beyond the
+  call's ``n_orig`` operands: ``(body, extra, ordered)``.
+
+  ``extra`` is the replacements and then the body's constants (tracers a
+  callable closes over, such as the row index of an enclosing ``scan``
+  body): passed as operands, since JAX traces the custom rules later, when
+  the trace they belong to may be gone. ``ordered(args)`` puts the call's
+  ``[*operands, *extra]`` in the order ``body`` takes them.
+  """
+  new, reps = one_body(injector, closed)
+  new, consts = hoisted(new)
+  n_reps = len(reps)
+
+  def ordered(args):
+    args = list(args)
+    return [*args[n_orig + n_reps :], *args[: n_orig + n_reps]]
+
+  return new, [*reps, *consts], ordered
+
+
 def _custom_jvp_intervene(injector, eqn, invals):
   p = eqn.params
-  new, reps = one_body(injector, p['call_jaxpr'])
   n_orig, n_out = len(invals), len(eqn.outvars)
+  new, extra, ordered = _intervened_body(injector, p['call_jaxpr'], n_orig)
   _, orig_jvp = eqn.primitive.get_bind_params(p)['subfuns']
 
   def fun(*args):
-    return _jax.eval_closed(new, args)
+    return _jax.eval_closed(new, ordered(args))
 
   def jvp(*xs):
     primals, tangents = xs[: len(xs) // 2], xs[len(xs) // 2 :]
     out = list(orig_jvp.call_wrapped(*primals[:n_orig], *tangents[:n_orig]))
     # The custom rule gives the tangents (a replacement inside has none);
     # the primal outputs are those of the body with its sows replaced.
-    return [*_jax.eval_closed(new, primals), *out[n_out:]]
+    return [*_jax.eval_closed(new, ordered(primals)), *out[n_out:]]
 
-  n_in = n_orig + len(reps)
+  n_in = n_orig + len(extra)
   return _jax.custom_jvp_call_p.bind(
       *invals,
-      *reps,
+      *extra,
       subfuns=(
           _jax.wrap_init(fun, 'custom_jvp_intervene', n_in),
           _jax.wrap_init(jvp, 'custom_jvp_intervene_jvp', 2 * n_in),
@@ -277,27 +298,27 @@ def _custom_vjp_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
 
 def _custom_vjp_intervene(injector, eqn, invals):
   p = eqn.params
-  new, reps = one_body(injector, p['call_jaxpr'])
-  rep_avals = [_jax.typeof(x) for x in reps]
   n_orig, n_out = len(invals), len(eqn.outvars)
+  new, extra, ordered = _intervened_body(injector, p['call_jaxpr'], n_orig)
+  extra_avals = [_jax.typeof(x) for x in extra]
   _, orig_fwd, orig_bwd = eqn.primitive.get_bind_params(p)['subfuns']
 
   def fun(*args):
-    return _jax.eval_closed(new, args)
+    return _jax.eval_closed(new, ordered(args))
 
   def fwd(*args):
     res_and_outs = list(orig_fwd.call_wrapped(*args[: 2 * n_orig]))
-    outs = _jax.eval_closed(new, args[::2])
+    outs = _jax.eval_closed(new, ordered(args[::2]))
     return [*res_and_outs[: len(res_and_outs) - n_out], *outs]
 
   def bwd(*args):
     cts = list(orig_bwd.call_wrapped(*args))
-    return [*cts, *(_jax.Zero(a.to_tangent_aval()) for a in rep_avals)]
+    return [*cts, *(_jax.Zero(a.to_tangent_aval()) for a in extra_avals)]
 
-  n_in = n_orig + len(reps)
+  n_in = n_orig + len(extra)
   return _jax.custom_vjp_call_p.bind(
       *invals,
-      *reps,
+      *extra,
       subfuns=(
           _jax.wrap_init(fun, 'custom_vjp_intervene', n_in),
           _jax.wrap_init(fwd, 'custom_vjp_intervene_fwd', 2 * n_in),

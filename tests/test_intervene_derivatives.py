@@ -464,5 +464,68 @@ class InnerDerivativeTest(parameterized.TestCase):
     assert_close(g(X), jax.grad(_sum(lambda y: h(y, None, lambda v: v)))(X))
 
 
+
+class CustomJvpRuleThroughTheBodyTest(parameterized.TestCase):
+  """A custom_jvp whose rule differentiates the sowing body: a derivative
+  around intervene is that of the replaced program, as one inside is (the
+  rule ignored the replacement there: silent)."""
+
+  @staticmethod
+  def _program(sow_fn):
+    def body(x):
+      return jnp.sin(sow_fn(2.0 * x))
+
+    f = jax.custom_jvp(body)
+    f.defjvp(lambda p, t: jax.jvp(body, p, t))
+    return f
+
+  def test_callable_and_array_replacements(self):
+    f = self._program(lambda v: sow(v, name='h'))
+    x = jnp.array([0.3, 1.2])
+    # By hand: h -> 0.5 h gives sin(x), derivative cos(x); a constant
+    # replacement gives derivative 0.
+    cases = (
+        ({'h': lambda v: 0.5 * v}, jnp.cos(x)),
+        ({'h': (jnp.array([5.0, 5.0]),)}, jnp.zeros(2)),
+    )
+    for values, expected in cases:
+      loss = lambda x: intervene(f, values)(x).sum()
+      for got in (
+          jax.grad(loss)(x),
+          jax.jit(jax.grad(loss))(x),
+          jax.value_and_grad(loss)(x)[1],
+          jax.linearize(intervene(f, values), x)[1](jnp.ones(2)),
+          intervene(jax.grad(lambda x: f(x).sum()), values)(x),
+      ):
+        np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
+
+  def test_a_rule_that_does_not_differentiate_the_body_is_kept(self):
+    def body(x):
+      return jnp.sin(sow(2.0 * x, name='h'))
+
+    f = jax.custom_jvp(body)
+    f.defjvp(lambda p, t: (f(p[0]), 3.0 * t[0]))
+    x = jnp.array([0.3, 1.2])
+    got = jax.grad(lambda x: intervene(f, {'h': lambda v: 0.5 * v})(x).sum())
+    np.testing.assert_allclose(got(x), [3.0, 3.0], rtol=1e-6)
+
+  def test_in_a_scan_with_loop_indices(self):
+    from flax.nnx.sow import loop_indices  # pylint: disable=g-import-not-at-top
+
+    f = self._program(lambda v: sow(v, name='h'))
+    g = lambda xs: jax.lax.scan(lambda c, x: (c + f(x), None), 0.0, xs)[0]
+    xs = jnp.array([0.3, 1.2, -0.4])
+    row_1 = {'h': lambda v: jnp.where(loop_indices()[0] == 1, 0.5 * v, v)}
+    # Row 1 is sin(x), the others sin(2x).
+    expected = jnp.array([2.0, 0.5, 2.0]) * jnp.cos(
+        jnp.array([2.0, 1.0, 2.0]) * xs
+    ) * jnp.array([1.0, 2.0, 1.0])
+    for got in (
+        jax.grad(intervene(g, row_1))(xs),
+        intervene(jax.grad(g), row_1)(xs),
+    ):
+      np.testing.assert_allclose(got, expected, rtol=1e-6)
+
+
 if __name__ == '__main__':
   absltest.main()

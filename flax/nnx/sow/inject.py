@@ -357,12 +357,16 @@ class Injector:
       values: dict[Name, tp.Any],
       strict: bool,
       token: tp.Any = None,
+      staging_key: Intervening | None = None,
   ):
     self.accepts_key = accepts_key
     self.strict = strict
     # One per intervene(...) call: rewrites that apply its callables are
     # cached for it alone (see ``cached_rewrite``).
     self.token = token
+    # The key intervene staged ``f`` with: custom rules traced later (when
+    # the intervened function is differentiated) are traced with it.
+    self.staging_key = staging_key
     self.replacements = Replacements(accepts_key, values, strict)
 
   # -- what the rules ask, answered by the replacements ----------------------
@@ -436,7 +440,20 @@ class Injector:
         pos += n
       values[name] = Entries(tuple(entries), offset, rows)
     # Names whose entries this scope does not get are not replaced in it.
-    return Injector(self.accepts_key, values, self.strict, self.token)
+    return Injector(
+        self.accepts_key, values, self.strict, self.token, self.staging_key
+    )
+
+  def with_callables_only(self) -> Injector:
+    """An injector that applies this one's callables and nothing else."""
+    values = {
+        n: v
+        for n, v in self.replacements.values.items()
+        if not isinstance(v, Entries)
+    }
+    return Injector(
+        self.accepts_key, values, False, self.token, self.staging_key
+    )
 
   def fns_in(self, jaxpr: _jax.Jaxpr) -> tuple[tuple[Name, tp.Any], ...]:
     """The callables of the names ``jaxpr`` sows."""
@@ -940,7 +957,7 @@ def _stage_and_intervene(f, accepts_key, values, strict, token, args, kwargs):
     raise
   if isinstance(values, Hook):
     values = values.per_name(staged.closed.jaxpr, accepts_key, strict)
-  injector = Injector(accepts_key, values, strict, token)
+  injector = Injector(accepts_key, values, strict, token, key)
   closed = staged.closed
   injector.replacements.check_sites(closed.jaxpr)
   outs = eval_intervening(closed.jaxpr, closed.consts, staged.arrays, injector)

@@ -194,3 +194,35 @@ def with_index(length: int, rewrite: tp.Callable[[Frame | None], tp.Any]):
       if e.frame is not f:
         raise
     return rewrite(f), jax.lax.iota(jnp.int32, length)
+
+
+def snapshot() -> list[tuple[str, tp.Any]]:
+  """The loops around the equation being rewritten: ``(construct, index)``
+  per frame, outermost first (``index``: a tracer, or not provided)."""
+  return [(f.construct, f.index) for f in _STATE.frames]
+
+
+def provided(frames) -> list[tp.Any]:
+  """The indices a :func:`snapshot` holds (tracers of the body's trace)."""
+  return [index for _, index in frames if _is_index(index)]
+
+
+def _is_index(index) -> bool:
+  return index is not None and index is not _UNAVAILABLE
+
+
+@contextlib.contextmanager
+def restored(frames, indices):
+  """The frames of a :func:`snapshot`, for a custom rule JAX traces later:
+  each provided index is the next of ``indices`` (operands of the rule);
+  a frame without one has none there (asking is a ``ValueError``)."""
+  indices = iter(indices)
+  saved = _STATE.frames
+  _STATE.frames = [
+      Frame(construct, next(indices) if _is_index(index) else _UNAVAILABLE)
+      for construct, index in frames
+  ]
+  try:
+    yield
+  finally:
+    _STATE.frames = saved

@@ -45,6 +45,7 @@ import functools
 
 from flax.nnx.sow import _jax
 from flax.nnx.sow import _jax_patches
+from flax.nnx.sow import loop_index
 from flax.nnx.sow.collect import Collector
 from flax.nnx.sow.collect import cached
 from flax.nnx.sow.collect import collect_rules
@@ -57,6 +58,7 @@ from flax.nnx.sow.inject import eval_intervening
 from flax.nnx.sow.inject import intervene_rules
 from flax.nnx.sow.inject import one_body
 from flax.nnx.sow.primitive import VALUE_KINDS
+from flax.nnx.sow.primitive import staging
 from flax.nnx.sow.primitive import staging_active
 from flax.nnx.sow.sites import construct_names
 from flax.nnx.sow.sites import holds_staged_sow
@@ -190,37 +192,55 @@ def _custom_jvp_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
 
 def _intervened_body(injector, closed, n_orig):
   """The rewritten body of a custom call and what it takes beyond the
-  call's ``n_orig`` operands: ``(body, extra, ordered)``.
+  call's ``n_orig`` operands: ``(body, extra, ordered, in_loops)``.
 
-  ``extra`` is the replacements and then the body's constants (tracers a
-  callable closes over, such as the row index of an enclosing ``scan``
-  body): passed as operands, since JAX traces the custom rules later, when
-  the trace they belong to may be gone. ``ordered(args)`` puts the call's
-  ``[*operands, *extra]`` in the order ``body`` takes them.
+  ``extra`` is the replacements, the body's constants (tracers a callable
+  closes over, such as the row index of an enclosing ``scan`` body) and the
+  row indices of the enclosing loops: passed as operands, since JAX traces
+  the custom rules later, when the trace they belong to may be gone.
+  ``ordered(args)`` puts the call's ``[*operands, *extra]`` in the order
+  ``body`` takes them; ``in_loops(args)`` makes ``loop_indices()`` return
+  the indices among them while a rule runs.
   """
   new, reps = one_body(injector, closed)
   new, consts = hoisted(new)
-  n_reps = len(reps)
+  n_lead, n_consts = n_orig + len(reps), len(consts)
+  frames = loop_index.snapshot()
+  indices = loop_index.provided(frames)
 
   def ordered(args):
     args = list(args)
-    return [*args[n_orig + n_reps :], *args[: n_orig + n_reps]]
+    return [*args[n_lead : n_lead + n_consts], *args[:n_lead]]
 
-  return new, [*reps, *consts], ordered
+  def in_loops(args):
+    # Where JAX traces the rule, the enclosing loops' indices are operands.
+    return loop_index.restored(frames, list(args)[n_lead + n_consts :])
+
+  return new, [*reps, *consts, *indices], ordered, in_loops
 
 
 def _custom_jvp_intervene(injector, eqn, invals):
   p = eqn.params
   n_orig, n_out = len(invals), len(eqn.outvars)
-  new, extra, ordered = _intervened_body(injector, p['call_jaxpr'], n_orig)
+  new, extra, ordered, in_loops = _intervened_body(
+      injector, p['call_jaxpr'], n_orig
+  )
   _, orig_jvp = eqn.primitive.get_bind_params(p)['subfuns']
+  # What the rule needs later: the callables, not the array entries (which
+  # may be tracers of this trace).
+  callables = injector.with_callables_only()
 
   def fun(*args):
     return _jax.eval_closed(new, ordered(args))
 
   def jvp(*xs):
     primals, tangents = xs[: len(xs) // 2], xs[len(xs) // 2 :]
-    out = list(orig_jvp.call_wrapped(*primals[:n_orig], *tangents[:n_orig]))
+    rule_args = [*primals[:n_orig], *tangents[:n_orig]]
+    if p['symbolic_zeros'] or callables.staging_key is None:
+      out = list(orig_jvp.call_wrapped(*rule_args))
+    else:
+      with in_loops(primals):
+        out = _rule_with_replacements(callables, orig_jvp, rule_args)
     # The custom rule gives the tangents (a replacement inside has none);
     # the primal outputs are those of the body with its sows replaced.
     return [*_jax.eval_closed(new, ordered(primals)), *out[n_out:]]
@@ -235,6 +255,26 @@ def _custom_jvp_intervene(injector, eqn, invals):
       ),
       symbolic_zeros=p['symbolic_zeros'],
   )
+
+
+def _rule_with_replacements(injector, orig_jvp, rule_args) -> list:
+  """The custom rule's outputs on ``rule_args``, traced as ``intervene``
+  staged ``f`` and evaluated with ``injector`` (its callables only).
+
+  The rule runs here when the intervened function is differentiated
+  (around ``intervene``). A rule that differentiates the sowing body
+  (``jax.jvp`` of it) then gets what it gets where the derivative is taken
+  inside ``f``: a zero tangent at a sow replaced by an array, a tangent
+  marker resolved with the callable of a sow replaced by one.
+  """
+  with staging(injector.staging_key):
+    rule = _jax.trace_to_closed_jaxpr(
+        orig_jvp.call_wrapped,
+        [_jax.arg_type(a) for a in rule_args],
+        'custom_jvp_rule',
+    )
+  # The rule's primal outputs are not used: only the callables matter.
+  return eval_intervening(rule.jaxpr, rule.consts, rule_args, injector)
 
 
 collect_rules[_jax.custom_jvp_call_p] = _custom_jvp_capture
@@ -299,7 +339,7 @@ def _custom_vjp_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
 def _custom_vjp_intervene(injector, eqn, invals):
   p = eqn.params
   n_orig, n_out = len(invals), len(eqn.outvars)
-  new, extra, ordered = _intervened_body(injector, p['call_jaxpr'], n_orig)
+  new, extra, ordered, _ = _intervened_body(injector, p['call_jaxpr'], n_orig)
   extra_avals = [_jax.typeof(x) for x in extra]
   _, orig_fwd, orig_bwd = eqn.primitive.get_bind_params(p)['subfuns']
 

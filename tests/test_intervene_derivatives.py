@@ -499,6 +499,30 @@ class CustomJvpRuleThroughTheBodyTest(parameterized.TestCase):
       ):
         np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
 
+  def test_under_other_transforms_and_closures(self):
+    def body(x):
+      return jnp.sin(sow(2.0 * x, name='h'))
+
+    f = jax.custom_jvp(body)
+    f.defjvp(lambda p, t: jax.jvp(body, p, t))
+    xs = jnp.array([0.3, 1.2, -0.7])
+    fn = {'h': lambda v: 0.5 * v}
+
+    @jax.jit
+    def closing_over(xs, s):  # the callable closes over a jit tracer
+      return jax.vmap(jax.grad(intervene(f, {'h': lambda v: s * v})))(xs)
+
+    scanned = lambda xs: jax.lax.scan(
+        lambda c, x: (c + intervene(f, fn)(x), None), 0.0, xs)[0]
+    for got in (
+        jax.vmap(jax.grad(intervene(f, fn)))(xs),
+        jax.vmap(jax.grad(jax.checkpoint(intervene(f, fn))))(xs),
+        closing_over(xs, 0.5),
+        jax.grad(scanned)(xs),
+        jax.jacfwd(intervene(f, fn))(xs).diagonal(),
+    ):
+      np.testing.assert_allclose(got, jnp.cos(xs), rtol=1e-6)
+
   def test_a_rule_that_does_not_differentiate_the_body_is_kept(self):
     def body(x):
       return jnp.sin(sow(2.0 * x, name='h'))

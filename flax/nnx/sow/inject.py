@@ -425,11 +425,7 @@ class Injector:
 
   def inner(self, spec, leaves) -> Injector:
     """The injector of a sub-jaxpr given the entries ``take`` handed it."""
-    values = {
-        n: v
-        for n, v in self.replacements.values.items()
-        if not isinstance(v, Entries)
-    }
+    values = self._callables()
     pos = 0
     for name, offset, treedefs, rows in spec:
       entries = []
@@ -446,23 +442,23 @@ class Injector:
 
   def with_callables_only(self) -> Injector:
     """An injector that applies this one's callables and nothing else."""
-    values = {
+    return Injector(
+        self.accepts_key, self._callables(), False, self.token,
+        self.staging_key,
+    )
+
+  def _callables(self) -> dict[Name, tp.Any]:
+    """The names replaced by callables, with their callables."""
+    return {
         n: v
         for n, v in self.replacements.values.items()
         if not isinstance(v, Entries)
     }
-    return Injector(
-        self.accepts_key, values, False, self.token, self.staging_key
-    )
 
   def fns_in(self, jaxpr: _jax.Jaxpr) -> tuple[tuple[Name, tp.Any], ...]:
     """The callables of the names ``jaxpr`` sows."""
     sown = {s.name for s in sow_sites(jaxpr)}
-    return tuple(
-        (n, v)
-        for n, v in self.replacements.values.items()
-        if not isinstance(v, Entries) and n in sown
-    )
+    return tuple((n, v) for n, v in self._callables().items() if n in sown)
 
   def rewrite(
       self,

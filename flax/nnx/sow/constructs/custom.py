@@ -342,6 +342,7 @@ def _custom_vjp_intervene(injector, eqn, invals):
   new, extra, ordered, _ = _intervened_body(injector, p['call_jaxpr'], n_orig)
   extra_avals = [_jax.typeof(x) for x in extra]
   _, orig_fwd, orig_bwd = eqn.primitive.get_bind_params(p)['subfuns']
+  callables = injector.with_callables_only()
 
   def fun(*args):
     return _jax.eval_closed(new, ordered(args))
@@ -352,7 +353,10 @@ def _custom_vjp_intervene(injector, eqn, invals):
     return [*res_and_outs[: len(res_and_outs) - n_out], *outs]
 
   def bwd(*args):
-    cts = list(orig_bwd.call_wrapped(*args))
+    if p['symbolic_zeros'] or callables.staging_key is None:
+      cts = list(orig_bwd.call_wrapped(*args))
+    else:
+      cts = _bwd_with_replacements(callables, orig_bwd, args)
     return [*cts, *(_jax.Zero(a.to_tangent_aval()) for a in extra_avals)]
 
   n_in = n_orig + len(extra)
@@ -367,6 +371,23 @@ def _custom_vjp_intervene(injector, eqn, invals):
       out_trees=p['out_trees'],
       symbolic_zeros=p['symbolic_zeros'],
   )
+
+
+def _bwd_with_replacements(injector, orig_bwd, args) -> list:
+  """The backward rule on ``args``, traced as ``intervene`` staged ``f`` and
+  evaluated with ``injector`` (its callables only), as
+  :func:`_rule_with_replacements` does for a ``custom_jvp`` rule: a rule
+  that differentiates the sowing body sees the replacement."""
+
+  def flat(*xs):
+    # Symbolic zeros (an input with no cotangent) as arrays of zeros.
+    return [_jax.instantiate_zeros(ct) for ct in orig_bwd.call_wrapped(*xs)]
+
+  with staging(injector.staging_key):
+    rule = _jax.trace_to_closed_jaxpr(
+        flat, [_jax.arg_type(a) for a in args], 'custom_vjp_bwd'
+    )
+  return eval_intervening(rule.jaxpr, rule.consts, args, injector)
 
 
 collect_rules[_jax.custom_vjp_call_p] = _custom_vjp_capture

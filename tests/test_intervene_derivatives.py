@@ -586,6 +586,23 @@ class CustomVjpRuleThroughTheBodyTest(absltest.TestCase):
     per_example = jax.vmap(jax.grad(intervene(f, cases[0][0])))(xs)
     np.testing.assert_allclose(per_example, jnp.cos(xs), rtol=1e-6)
 
+  def test_a_forward_rule_that_hands_on_its_pullback(self):
+    def body(x):
+      return jnp.sin(sow(2.0 * x, name='h'))
+
+    f = jax.custom_vjp(body)
+    f.defvjp(lambda x: jax.vjp(body, x), lambda pull, g: pull(g))
+    xs = jnp.array([0.3, 1.2, -0.7])
+    fn = {'h': lambda v: 0.5 * v}
+    loss = lambda x: intervene(f, fn)(x).sum()
+    for got in (
+        jax.grad(loss)(xs),
+        jax.jit(jax.grad(loss))(xs),
+        jax.vmap(jax.grad(intervene(f, fn)))(xs),
+        intervene(jax.grad(lambda x: f(x).sum()), fn)(xs),
+    ):
+      np.testing.assert_allclose(got, jnp.cos(xs), rtol=1e-6)
+
   def test_a_rule_that_does_not_differentiate_the_body_is_kept(self):
     def body(x):
       return jnp.sin(sow(2.0 * x, name='h'))

@@ -339,7 +339,9 @@ def _custom_vjp_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
 def _custom_vjp_intervene(injector, eqn, invals):
   p = eqn.params
   n_orig, n_out = len(invals), len(eqn.outvars)
-  new, extra, ordered, _ = _intervened_body(injector, p['call_jaxpr'], n_orig)
+  new, extra, ordered, in_loops = _intervened_body(
+      injector, p['call_jaxpr'], n_orig
+  )
   extra_avals = [_jax.typeof(x) for x in extra]
   _, orig_fwd, orig_bwd = eqn.primitive.get_bind_params(p)['subfuns']
   callables = injector.with_callables_only()
@@ -348,7 +350,13 @@ def _custom_vjp_intervene(injector, eqn, invals):
     return _jax.eval_closed(new, ordered(args))
 
   def fwd(*args):
-    res_and_outs = list(orig_fwd.call_wrapped(*args[: 2 * n_orig]))
+    if p['symbolic_zeros'] or callables.staging_key is None:
+      res_and_outs = list(orig_fwd.call_wrapped(*args[: 2 * n_orig]))
+    else:
+      with in_loops(args[::2]):
+        res_and_outs = _rule_evaluated(
+            callables, orig_fwd, args[: 2 * n_orig]
+        )
     outs = _jax.eval_closed(new, ordered(args[::2]))
     return [*res_and_outs[: len(res_and_outs) - n_out], *outs]
 
@@ -356,7 +364,9 @@ def _custom_vjp_intervene(injector, eqn, invals):
     if p['symbolic_zeros'] or callables.staging_key is None:
       cts = list(orig_bwd.call_wrapped(*args))
     else:
-      cts = _bwd_with_replacements(callables, orig_bwd, args)
+      # The loops' indices are not among the backward rule's operands.
+      with loop_index.no_index('a `jax.custom_vjp` backward rule'):
+        cts = _bwd_with_replacements(callables, orig_bwd, args)
     return [*cts, *(_jax.Zero(a.to_tangent_aval()) for a in extra_avals)]
 
   n_in = n_orig + len(extra)
@@ -371,6 +381,23 @@ def _custom_vjp_intervene(injector, eqn, invals):
       out_trees=p['out_trees'],
       symbolic_zeros=p['symbolic_zeros'],
   )
+
+
+def _rule_evaluated(injector, rule_fn, args) -> list:
+  """``rule_fn`` (a forward rule) on ``args``, traced under the intervene's
+  staging key and evaluated with its callables: residuals computed by
+  differentiating the sowing body see the replacement."""
+  flags = [a for a in args[1::2]]
+  primals = list(args[::2])
+
+  def flat(*xs):
+    return rule_fn.call_wrapped(*[v for x, f in zip(xs, flags) for v in (x, f)])
+
+  with staging(injector.staging_key):
+    rule = _jax.trace_to_closed_jaxpr(
+        flat, [_jax.arg_type(a) for a in primals], 'custom_vjp_fwd'
+    )
+  return eval_intervening(rule.jaxpr, rule.consts, primals, injector)
 
 
 def _bwd_with_replacements(injector, orig_bwd, args) -> list:

@@ -240,7 +240,9 @@ def _custom_jvp_intervene(injector, eqn, invals):
       out = list(orig_jvp.call_wrapped(*rule_args))
     else:
       with in_loops(primals):
-        out = _rule_with_replacements(callables, orig_jvp, rule_args)
+        out = _rule_with_replacements(
+            callables, orig_jvp.call_wrapped, rule_args, 'custom_jvp_rule'
+        )
     # The custom rule gives the tangents (a replacement inside has none);
     # the primal outputs are those of the body with its sows replaced.
     return [*_jax.eval_closed(new, ordered(primals)), *out[n_out:]]
@@ -257,24 +259,23 @@ def _custom_jvp_intervene(injector, eqn, invals):
   )
 
 
-def _rule_with_replacements(injector, orig_jvp, rule_args) -> list:
-  """The custom rule's outputs on ``rule_args``, traced as ``intervene``
-  staged ``f`` and evaluated with ``injector`` (its callables only).
+def _rule_with_replacements(injector, rule, args, name: str) -> list:
+  """The custom rule ``rule`` (a flat function) on ``args``, traced as
+  ``intervene`` staged ``f`` and evaluated with ``injector`` (its callables
+  only).
 
-  The rule runs here when the intervened function is differentiated
+  JAX runs a custom rule when the intervened function is differentiated
   (around ``intervene``). A rule that differentiates the sowing body
-  (``jax.jvp`` of it) then gets what it gets where the derivative is taken
-  inside ``f``: a zero tangent at a sow replaced by an array, a tangent
-  marker resolved with the callable of a sow replaced by one.
+  (``jax.jvp`` or ``jax.vjp`` of it) then gets what it gets where the
+  derivative is taken inside ``f``: a zero tangent at a sow replaced by an
+  array, a derivative marker resolved with the callable of a sow replaced
+  by one, and residuals computed from the replaced value.
   """
   with staging(injector.staging_key):
-    rule = _jax.trace_to_closed_jaxpr(
-        orig_jvp.call_wrapped,
-        [_jax.arg_type(a) for a in rule_args],
-        'custom_jvp_rule',
+    closed = _jax.trace_to_closed_jaxpr(
+        rule, [_jax.arg_type(a) for a in args], name
     )
-  # The rule's primal outputs are not used: only the callables matter.
-  return eval_intervening(rule.jaxpr, rule.consts, rule_args, injector)
+  return eval_intervening(closed.jaxpr, closed.consts, args, injector)
 
 
 collect_rules[_jax.custom_jvp_call_p] = _custom_jvp_capture
@@ -354,7 +355,7 @@ def _custom_vjp_intervene(injector, eqn, invals):
       res_and_outs = list(orig_fwd.call_wrapped(*args[: 2 * n_orig]))
     else:
       with in_loops(args[::2]):
-        res_and_outs = _rule_evaluated(
+        res_and_outs = _fwd_with_replacements(
             callables, orig_fwd, args[: 2 * n_orig]
         )
     outs = _jax.eval_closed(new, ordered(args[::2]))
@@ -383,38 +384,30 @@ def _custom_vjp_intervene(injector, eqn, invals):
   )
 
 
-def _rule_evaluated(injector, rule_fn, args) -> list:
-  """``rule_fn`` (a forward rule) on ``args``, traced under the intervene's
-  staging key and evaluated with its callables: residuals computed by
-  differentiating the sowing body see the replacement."""
-  flags = [a for a in args[1::2]]
-  primals = list(args[::2])
+def _fwd_with_replacements(injector, orig_fwd, args) -> list:
+  """The forward rule on ``args`` (``[primal, has tangent, ...]``), as
+  :func:`_rule_with_replacements` evaluates a rule."""
+  flags = list(args[1::2])
 
-  def flat(*xs):
-    return rule_fn.call_wrapped(*[v for x, f in zip(xs, flags) for v in (x, f)])
-
-  with staging(injector.staging_key):
-    rule = _jax.trace_to_closed_jaxpr(
-        flat, [_jax.arg_type(a) for a in primals], 'custom_vjp_fwd'
+  def flat(*primals):
+    return orig_fwd.call_wrapped(
+        *[v for x, f in zip(primals, flags) for v in (x, f)]
     )
-  return eval_intervening(rule.jaxpr, rule.consts, primals, injector)
+
+  return _rule_with_replacements(
+      injector, flat, list(args[::2]), 'custom_vjp_fwd'
+  )
 
 
 def _bwd_with_replacements(injector, orig_bwd, args) -> list:
-  """The backward rule on ``args``, traced as ``intervene`` staged ``f`` and
-  evaluated with ``injector`` (its callables only), as
-  :func:`_rule_with_replacements` does for a ``custom_jvp`` rule: a rule
-  that differentiates the sowing body sees the replacement."""
+  """The backward rule on ``args``, as :func:`_rule_with_replacements`
+  evaluates a rule."""
 
   def flat(*xs):
     # Symbolic zeros (an input with no cotangent) as arrays of zeros.
     return [_jax.instantiate_zeros(ct) for ct in orig_bwd.call_wrapped(*xs)]
 
-  with staging(injector.staging_key):
-    rule = _jax.trace_to_closed_jaxpr(
-        flat, [_jax.arg_type(a) for a in args], 'custom_vjp_bwd'
-    )
-  return eval_intervening(rule.jaxpr, rule.consts, args, injector)
+  return _rule_with_replacements(injector, flat, list(args), 'custom_vjp_bwd')
 
 
 collect_rules[_jax.custom_vjp_call_p] = _custom_vjp_capture

@@ -706,7 +706,7 @@ def cached(
   Rules derive new jaxprs from the ones in an equation; returning the same
   object for the same input keeps JAX's compilation caches warm. With an
   ``owner``, the entry is that object's alone and is dropped when it is
-  collected (``inject.cached_rewrite``). Where ``keep()`` is false after the
+  collected (``inject.Injector.cached``). Where ``keep()`` is false after the
   build, the result is not memoised.
   """
   if owner is not None:

@@ -341,11 +341,13 @@ class Replacements:
 # A scope evaluated with them.
 
 
-class Injector:
+class Injector(Replacements):
   """Evaluates one scope of the program with its sows replaced.
 
-  A scope is the top-level jaxpr or a sub-jaxpr a rule rewrites. A sow that
-  its :class:`Replacements` target is bound on its replacement; a sub-jaxpr
+  A scope is the top-level jaxpr or a sub-jaxpr a rule rewrites. The
+  injector is its scope's :class:`Replacements` (which sows it replaces,
+  and the entries handed out so far); a sow it targets is bound on its
+  replacement; a sub-jaxpr
   is rewritten to take the array entries its sows consume as extra inputs
   (:meth:`rewrite`), and evaluated with the injector of its own scope
   (:meth:`inner`). Callables are shared by every scope.
@@ -359,32 +361,13 @@ class Injector:
       token: tp.Any = None,
       staging_key: Intervening | None = None,
   ):
-    self.accepts_key = accepts_key
-    self.strict = strict
+    super().__init__(accepts_key, values, strict)
     # One per intervene(...) call: rewrites that apply its callables are
-    # cached for it alone (see ``cached_rewrite``).
+    # cached for it alone (see :meth:`Injector.cached`).
     self.token = token
     # The key intervene staged ``f`` with: custom rules traced later (when
     # the intervened function is differentiated) are traced with it.
     self.staging_key = staging_key
-    self.replacements = Replacements(accepts_key, values, strict)
-
-  # -- what the rules ask, answered by the replacements ----------------------
-
-  def targets(self, params) -> bool:
-    return self.replacements.targets(params)
-
-  def has_work(self, jaxprs) -> bool:
-    return self.replacements.has_work(jaxprs)
-
-  def consumed(self, jaxpr: _jax.Jaxpr) -> collections.Counter:
-    return self.replacements.consumed(jaxpr)
-
-  def branch_consumed(self, branches) -> collections.Counter:
-    return self.replacements.branch_consumed(branches)
-
-  def take(self, counts: collections.Counter, length: int | None = None):
-    return self.replacements.take(counts, length)
 
   # -- sub-jaxprs ------------------------------------------------------------
 
@@ -399,7 +382,7 @@ class Injector:
       p = s.eqn.params
       if (
           self.targets(p)
-          and isinstance(self.replacements.values[s.name], Entries)
+          and isinstance(self.values[s.name], Entries)
           and p['batch_dims']
       ):
         if _jax.traced_under_lax_map_batch(s.eqn.source_info):
@@ -451,7 +434,7 @@ class Injector:
     """The names replaced by callables, with their callables."""
     return {
         n: v
-        for n, v in self.replacements.values.items()
+        for n, v in self.values.items()
         if not isinstance(v, Entries)
     }
 
@@ -459,6 +442,34 @@ class Injector:
     """The callables of the names ``jaxpr`` sows."""
     sown = {s.name for s in sow_sites(jaxpr)}
     return tuple((n, v) for n, v in self._callables().items() if n in sown)
+
+  def cached(self, source, key, build, loop=None):
+    """``collect.cached(source, key, build)`` for a rewrite by this injector.
+
+    A callable is traced into the rewritten jaxpr, with whatever it reads
+    then (a global, an attribute, a closed-over list). So a rewrite that
+    applies callables (those of the names ``source`` sows) is cached for
+    one ``intervene(...)`` call (its ``token``) only: calling the same
+    ``g`` again reuses it, as ``jax.jit`` reuses a trace, while a new
+    ``intervene(f, {'h': steer})`` traces ``steer`` again. The entry is
+    dropped when ``g`` is collected, so a sweep over many ``intervene``
+    calls does not accumulate entries (or the tracers a lambda closes
+    over). A rewrite whose callables read the index of an enclosing loop
+    body (``loop_indices()``; ``loop`` is the loop this rewrite is the body
+    of) closes over a tracer of that body's trace, and is not cached.
+    """
+    fns = self.fns_in(as_jaxpr(source))
+    if not fns:
+      return cached(source, key, build)
+    key = (*key, tuple(name for name, _ in fns))
+    before = loop_index.outer_reads(loop)
+    return cached(
+        source,
+        key,
+        build,
+        owner=self.token,
+        keep=lambda: loop_index.outer_reads(loop) == before,
+    )
 
   def rewrite(
       self,
@@ -473,7 +484,6 @@ class Injector:
     With ``loop``, the body of that loop: it takes one more trailing input,
     the iteration's row index, which ``loop_indices()`` returns there.
     """
-    fns = self.fns_in(closed.jaxpr)
     key = (
         'intervene',
         self.accepts_key,
@@ -501,7 +511,7 @@ class Injector:
           'intervene_rewrite',
       )
 
-    return cached_rewrite(closed, key, fns, build, self.token, loop)
+    return self.cached(closed, key, build, loop)
 
   # -- the sow --------------------------------------------------------------
 
@@ -518,7 +528,7 @@ class Injector:
     n = len(invals) - p['n_closure']
     leaves, closure = list(invals[:n]), list(invals[n:])
     value = jax.tree_util.tree_unflatten(p['treedef'], leaves)
-    found = self.replacements.replacement(name, value, p['batch_dims'])
+    found = self.replacement(name, value, p['batch_dims'])
     if found is None:  # past the last entry, with strict=False
       if p.get('zero_tangent'):
         raise ValueError(
@@ -558,7 +568,7 @@ class Injector:
     of this call's callable at the sown value, which it applies exactly as
     :meth:`on_sow` does (vmapped over the sow's ``batch_dims``)."""
     p = eqn.params
-    fn = self.replacements.values[p['sow_name']]
+    fn = self.values[p['sow_name']]
     n = len(invals) - p['n_closure']
     linear = jax.tree_util.tree_unflatten(p['treedef'], invals[:n])
     value = jax.tree_util.tree_unflatten(p['treedef'], invals[n:])
@@ -583,33 +593,6 @@ class Injector:
         _jax.vary_like(strong(x) if not _jax.typeof(a).weak_type else x, a)
         for x, a in zip(out_leaves, invals[:n])
     ]
-
-
-def cached_rewrite(closed, key, fns, build, token, loop=None):
-  """``cached(closed, key, build)`` for a rewrite that applies ``fns``.
-
-  A callable is traced into the rewritten jaxpr, with whatever it reads
-  then (a global, an attribute, a closed-over list). So such a rewrite is
-  cached for one ``intervene(...)`` call (its ``token``) only: calling the
-  same ``g`` again reuses it, as ``jax.jit`` reuses a trace, while a new
-  ``intervene(f, {'h': steer})`` traces ``steer`` again. The entry is
-  dropped when ``g`` is collected, so a sweep over many ``intervene`` calls
-  does not accumulate entries (or the tracers a lambda closes over). A
-  rewrite whose callables read the index of an enclosing loop body
-  (``loop_indices()``; ``loop`` is the loop this rewrite is the body of)
-  closes over a tracer of that body's trace, and is not cached.
-  """
-  if not fns:
-    return cached(closed, key, build)
-  key = (*key, tuple(name for name, _ in fns))
-  before = loop_index.outer_reads(loop)
-  return cached(
-      closed,
-      key,
-      build,
-      owner=token,
-      keep=lambda: loop_index.outer_reads(loop) == before,
-  )
 
 
 def _apply(fn, value, batch_dims: int, name: Name):
@@ -931,7 +914,7 @@ def _unmapped_output_error(names) -> ValueError:
 
 
 class _Token:
-  """Identifies one ``intervene(...)`` call (see ``cached_rewrite``)."""
+  """Identifies one ``intervene(...)`` call (see :meth:`Injector.cached`)."""
 
   __slots__ = ('__weakref__',)
 
@@ -955,7 +938,7 @@ def _stage_and_intervene(f, accepts_key, values, strict, token, args, kwargs):
     values = values.per_name(staged.closed.jaxpr, accepts_key, strict)
   injector = Injector(accepts_key, values, strict, token, key)
   closed = staged.closed
-  injector.replacements.check_sites(closed.jaxpr)
+  injector.check_sites(closed.jaxpr)
   outs = eval_intervening(closed.jaxpr, closed.consts, staged.arrays, injector)
-  injector.replacements.finish()
+  injector.finish()
   return staged.output(outs)

@@ -68,7 +68,6 @@ from flax.nnx.sow.collect import Layout
 from flax.nnx.sow.collect import cached
 from flax.nnx.sow.collect import collect_rules
 from flax.nnx.sow.collect import eval_collecting
-from flax.nnx.sow.inject import cached_rewrite
 from flax.nnx.sow.inject import eval_intervening
 from flax.nnx.sow.inject import intervene_rules
 from flax.nnx.sow.primitive import MARKER_KINDS
@@ -470,9 +469,7 @@ def _shard_map_intervene(injector, eqn, invals):
       return _jax.close_over_nothing(closed)
 
   key = ('intervene_shard_map', injector.accepts_key, staging_active())
-  jaxpr, consts = cached_rewrite(
-      body, key, injector.fns_in(body), build, injector.token
-  )
+  jaxpr, consts = injector.cached(body, key, build)
   return _bind_rewritten(eqn, jaxpr, consts, invals)
 
 

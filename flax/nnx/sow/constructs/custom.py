@@ -41,6 +41,7 @@ What a sow inside does:
 from __future__ import annotations
 
 import functools
+import typing as tp
 
 
 from flax.nnx.sow import _jax
@@ -190,19 +191,35 @@ def _custom_jvp_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
   return collector.split_outputs(layout, outs, n_out)
 
 
-def _intervened_body(injector, closed, n_orig):
+class _Body(tp.NamedTuple):
+  """A custom call's body rewritten by :func:`_intervened_body`."""
+
+  jaxpr: tp.Any  # the rewritten body, a ClosedJaxpr
+  extra: list  # what it takes beyond the call's operands
+  ordered: tp.Callable  # [*operands, *extra] in the order the body takes
+  in_loops: tp.Callable  # args -> the enclosing loops' indices restored
+  scope: tp.Callable  # args -> the injector of the body's scope
+  entry_names: frozenset  # the names replaced by array entries in it
+  in_a_loop: bool  # whether a loop encloses the call
+
+
+def _intervened_body(injector, closed, n_orig) -> _Body:
   """The rewritten body of a custom call and what it takes beyond the
-  call's ``n_orig`` operands: ``(body, extra, ordered, in_loops)``.
+  call's ``n_orig`` operands.
 
   ``extra`` is the replacements, the body's constants (tracers a callable
   closes over, such as the row index of an enclosing ``scan`` body) and the
   row indices of the enclosing loops: passed as operands, since JAX traces
   the custom rules later, when the trace they belong to may be gone.
   ``ordered(args)`` puts the call's ``[*operands, *extra]`` in the order
-  ``body`` takes them; ``in_loops(args)`` makes ``loop_indices()`` return
-  the indices among them while a rule runs.
+  the body takes them; ``in_loops(args)`` makes ``loop_indices()`` return
+  the indices among them while a rule runs; ``scope(args)`` is the injector
+  a rule is evaluated with: the callables, and the array entries of the
+  body's sows (among ``args``), so a rule that runs the body gets them too.
   """
-  new, reps = one_body(injector, closed)
+  counts = injector.consumed(closed.jaxpr)
+  reps, spec = injector.take(counts)
+  new = injector.rewrite(closed, spec, [_jax.typeof(x) for x in reps])
   new, consts = hoisted(new)
   n_lead, n_consts = n_orig + len(reps), len(consts)
   frames = loop_index.snapshot()
@@ -216,19 +233,33 @@ def _intervened_body(injector, closed, n_orig):
     # Where JAX traces the rule, the enclosing loops' indices are operands.
     return loop_index.restored(frames, list(args)[n_lead + n_consts :])
 
-  return new, [*reps, *consts, *indices], ordered, in_loops
+  # What the rules need later: the callables and the layout of the array
+  # entries, not the entries (they may be tracers of this trace; the rules
+  # get them among their operands).
+  callables = injector.with_callables_only()
+
+  def scope(args):
+    return callables.inner(spec, list(args)[n_orig:n_lead])
+
+  return _Body(
+      new,
+      [*reps, *consts, *indices],
+      ordered,
+      in_loops,
+      scope,
+      frozenset(name for name, *_ in spec),
+      bool(frames),
+  )
 
 
 def _custom_jvp_intervene(injector, eqn, invals):
   p = eqn.params
   n_orig, n_out = len(invals), len(eqn.outvars)
-  new, extra, ordered, in_loops = _intervened_body(
+  new, extra, ordered, in_loops, scope, _, _ = _intervened_body(
       injector, p['call_jaxpr'], n_orig
   )
   _, orig_jvp = eqn.primitive.get_bind_params(p)['subfuns']
-  # What the rule needs later: the callables, not the array entries (which
-  # may be tracers of this trace).
-  callables = injector.with_callables_only()
+  staging_key = injector.staging_key
 
   def fun(*args):
     return _jax.eval_closed(new, ordered(args))
@@ -236,12 +267,15 @@ def _custom_jvp_intervene(injector, eqn, invals):
   def jvp(*xs):
     primals, tangents = xs[: len(xs) // 2], xs[len(xs) // 2 :]
     rule_args = [*primals[:n_orig], *tangents[:n_orig]]
-    if p['symbolic_zeros'] or callables.staging_key is None:
+    if p['symbolic_zeros'] or staging_key is None:
       out = list(orig_jvp.call_wrapped(*rule_args))
     else:
       with in_loops(primals):
         out = _rule_with_replacements(
-            callables, orig_jvp.call_wrapped, rule_args, 'custom_jvp_rule'
+            scope(primals),
+            orig_jvp.call_wrapped,
+            rule_args,
+            'custom_jvp_rule',
         )
     # The custom rule gives the tangents (a replacement inside has none);
     # the primal outputs are those of the body with its sows replaced.
@@ -259,10 +293,12 @@ def _custom_jvp_intervene(injector, eqn, invals):
   )
 
 
-def _rule_with_replacements(injector, rule, args, name: str) -> list:
+def _rule_with_replacements(
+    injector, rule, args, name: str, refused=frozenset()
+) -> list:
   """The custom rule ``rule`` (a flat function) on ``args``, traced as
-  ``intervene`` staged ``f`` and evaluated with ``injector`` (its callables
-  only).
+  ``intervene`` staged ``f`` and evaluated with ``injector`` (the scope of
+  the body: its callables and its array entries).
 
   JAX runs a custom rule when the intervened function is differentiated
   (around ``intervene``). A rule that differentiates the sowing body
@@ -275,6 +311,17 @@ def _rule_with_replacements(injector, rule, args, name: str) -> list:
     closed = _jax.trace_to_closed_jaxpr(
         rule, [_jax.arg_type(a) for a in args], name
     )
+  for site in sow_sites(closed.jaxpr):
+    if site.name in refused and site.eqn.params['kind'] in VALUE_KINDS:
+      raise ValueError(
+          f'intervene: sow {site.name!r}{site.where} is replaced by an'
+          ' array entry, and the `jax.custom_vjp` backward rule runs it'
+          ' again (it differentiates the body), where the entry cannot'
+          ' reach: its operands are only residuals and cotangents. Pass a'
+          ' callable (values[name] = fn), or take the residuals in the'
+          ' forward rule (fwd = jax.vjp(body, x)) and use them in the'
+          ' backward rule.'
+      )
   return eval_intervening(closed.jaxpr, closed.consts, args, injector)
 
 
@@ -340,11 +387,12 @@ def _custom_vjp_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
 def _custom_vjp_intervene(injector, eqn, invals):
   p = eqn.params
   n_orig, n_out = len(invals), len(eqn.outvars)
-  new, extra, ordered, in_loops = _intervened_body(
-      injector, p['call_jaxpr'], n_orig
+  new, extra, ordered, in_loops, scope, entry_names, in_a_loop = (
+      _intervened_body(injector, p['call_jaxpr'], n_orig)
   )
   extra_avals = [_jax.typeof(x) for x in extra]
   _, orig_fwd, orig_bwd = eqn.primitive.get_bind_params(p)['subfuns']
+  # The backward rule gets residuals and cotangents only: the callables.
   callables = injector.with_callables_only()
 
   def fun(*args):
@@ -356,7 +404,7 @@ def _custom_vjp_intervene(injector, eqn, invals):
     else:
       with in_loops(args[::2]):
         res_and_outs = _fwd_with_replacements(
-            callables, orig_fwd, args[: 2 * n_orig]
+            scope(args[::2]), orig_fwd, args[: 2 * n_orig]
         )
     outs = _jax.eval_closed(new, ordered(args[::2]))
     return [*res_and_outs[: len(res_and_outs) - n_out], *outs]
@@ -366,8 +414,14 @@ def _custom_vjp_intervene(injector, eqn, invals):
       cts = list(orig_bwd.call_wrapped(*args))
     else:
       # The loops' indices are not among the backward rule's operands.
-      with loop_index.no_index('a `jax.custom_vjp` backward rule'):
-        cts = _bwd_with_replacements(callables, orig_bwd, args)
+      with (
+          loop_index.no_index('a `jax.custom_vjp` backward rule')
+          if in_a_loop
+          else loop_index.restored([], [])
+      ):
+        cts = _bwd_with_replacements(
+            callables, orig_bwd, args, entry_names
+        )
     return [*cts, *(_jax.Zero(a.to_tangent_aval()) for a in extra_avals)]
 
   n_in = n_orig + len(extra)
@@ -399,15 +453,19 @@ def _fwd_with_replacements(injector, orig_fwd, args) -> list:
   )
 
 
-def _bwd_with_replacements(injector, orig_bwd, args) -> list:
+def _bwd_with_replacements(injector, orig_bwd, args, refused) -> list:
   """The backward rule on ``args``, as :func:`_rule_with_replacements`
-  evaluates a rule."""
+  evaluates a rule. The array entries of the names ``refused`` do not
+  reach it (its operands are residuals and cotangents): a sow of one of
+  them there is a ``ValueError``."""
 
   def flat(*xs):
     # Symbolic zeros (an input with no cotangent) as arrays of zeros.
     return [_jax.instantiate_zeros(ct) for ct in orig_bwd.call_wrapped(*xs)]
 
-  return _rule_with_replacements(injector, flat, list(args), 'custom_vjp_bwd')
+  return _rule_with_replacements(
+      injector, flat, list(args), 'custom_vjp_bwd', refused
+  )
 
 
 collect_rules[_jax.custom_vjp_call_p] = _custom_vjp_capture

@@ -650,6 +650,38 @@ class CustomVjpRuleThroughTheBodyTest(absltest.TestCase):
     ):
       np.testing.assert_allclose(got, expected, rtol=1e-6)
 
+  def test_constant_entries_closed_over_from_jit_vmap_and_scan(self):
+    # Both custom rules that differentiate the body; the constant is a
+    # tracer of an enclosing jit, vmap or scan.
+    def make(kind):
+      def body(x):
+        return jnp.sin(sow(2.0 * x, name='h')) * x
+
+      if kind == 'jvp':
+        f = jax.custom_jvp(body)
+        f.defjvp(lambda p, t: jax.jvp(body, p, t))
+      else:
+        f = jax.custom_vjp(body)
+        f.defvjp(lambda x: jax.vjp(body, x), lambda pull, g: pull(g))
+      return f
+
+    c = jnp.array([0.3, -0.7, 1.1])
+    xs = jnp.array([0.4, -1.2, 0.9])
+    expected = np.sin(np.asarray(c))  # x -> sin(c) * x, by hand
+    for kind in ('jvp', 'vjp'):
+      f = make(kind)
+      grad_at = lambda cc, x: jax.grad(
+          lambda x: intervene(f, {'h': (cc,)})(x).sum()
+      )(x)
+      per_example = jax.vmap(
+          lambda x, cc: jax.grad(lambda x: intervene(f, {'h': (cc,)})(x))(x)
+      )(xs, c)
+      _, scanned = jax.lax.scan(
+          lambda carry, _: (carry, grad_at(carry, xs)), c, None, length=2
+      )
+      for got in (jax.jit(grad_at)(c, xs), per_example, *scanned):
+        np.testing.assert_allclose(got, expected, rtol=1e-6)
+
   def test_loop_indices_outside_any_loop_in_a_backward_rule(self):
     def body(x):
       return jnp.sin(sow(2.0 * x, name='h')) * x

@@ -347,10 +347,10 @@ class Injector(Replacements):
   A scope is the top-level jaxpr or a sub-jaxpr a rule rewrites. The
   injector is its scope's :class:`Replacements` (which sows it replaces,
   and the entries handed out so far); a sow it targets is bound on its
-  replacement; a sub-jaxpr
-  is rewritten to take the array entries its sows consume as extra inputs
-  (:meth:`rewrite`), and evaluated with the injector of its own scope
-  (:meth:`inner`). Callables are shared by every scope.
+  replacement; a sub-jaxpr is rewritten to take the array entries its sows
+  consume as extra inputs (:meth:`rewrite`), and evaluated with the
+  injector of its own scope (:meth:`inner`). Callables are shared by every
+  scope.
   """
 
   def __init__(
@@ -632,14 +632,23 @@ def _unsupported(eqn, injector) -> NotImplementedError:
 # trailing operands.
 
 
+def one_scope(injector, closed):
+  """``closed`` rewritten as a scope of its own: ``(new, leaves, spec)``,
+  ``leaves`` the array entries its sows consume (``new`` takes them as
+  trailing inputs) and ``spec`` their layout (for :meth:`Injector.inner`)."""
+  leaves, spec = injector.take(injector.consumed(closed.jaxpr))
+  avals = [_jax.typeof(x) for x in leaves]
+  return injector.rewrite(closed, spec, avals), leaves, spec
+
+
 def one_body(injector, closed, *, length=None):
-  if length is not None:
-    injector.check_unbatched_loop(closed.jaxpr, '`lax.scan`')
+  if length is None:
+    new, leaves, _ = one_scope(injector, closed)
+    return new, leaves
+  injector.check_unbatched_loop(closed.jaxpr, '`lax.scan`')
   counts = injector.consumed(closed.jaxpr)
   leaves, spec = injector.take(counts, length)
   avals = [_jax.typeof(x) for x in leaves]
-  if length is None:
-    return injector.rewrite(closed, spec, avals), leaves
   # A loop body: the row index joins the trailing xs where a callable asks.
   avals = [_jax.ShapedArray(a.shape[1:], a.dtype) for a in avals]
   new, index = loop_index.with_index(

@@ -58,6 +58,7 @@ from flax.nnx.sow.inject import Injector
 from flax.nnx.sow.inject import eval_intervening
 from flax.nnx.sow.inject import intervene_rules
 from flax.nnx.sow.inject import one_body
+from flax.nnx.sow.inject import one_scope
 from flax.nnx.sow.primitive import VALUE_KINDS
 from flax.nnx.sow.primitive import staging
 from flax.nnx.sow.primitive import staging_active
@@ -217,9 +218,7 @@ def _intervened_body(injector, closed, n_orig) -> _Body:
   a rule is evaluated with: the callables, and the array entries of the
   body's sows (among ``args``), so a rule that runs the body gets them too.
   """
-  counts = injector.consumed(closed.jaxpr)
-  reps, spec = injector.take(counts)
-  new = injector.rewrite(closed, spec, [_jax.typeof(x) for x in reps])
+  new, reps, spec = one_scope(injector, closed)
   new, consts = hoisted(new)
   n_lead, n_consts = n_orig + len(reps), len(consts)
   frames = loop_index.snapshot()

@@ -27,42 +27,42 @@ the first ``capture`` or ``intervene`` stages its function. See
 """
 
 from flax.nnx.sow import constructs as _constructs  # registers every construct
-from flax.nnx.sow.nnx import shims as nnx_shims
-from flax.nnx.sow.nnx import state
+from flax.nnx.sow.nnx import shims as nnx_shims  # PR: nnx
+from flax.nnx.sow.nnx import state  # PR: nnx
 from flax.nnx.sow.capturing import Collected
 from flax.nnx.sow.capturing import capture
 from flax.nnx.sow.collect import collect_rules
-from flax.nnx.sow.inject import intervene
-from flax.nnx.sow.loop_index import loop_indices
+from flax.nnx.sow.inject import intervene  # PR: intervene
+from flax.nnx.sow.loop_index import loop_indices  # PR: intervene
 from flax.nnx.sow.names import as_path
 from flax.nnx.sow.names import grad_name
 from flax.nnx.sow.api import perturb
 from flax.nnx.sow.api import sow
 from flax.nnx.sow.primitive import sow_p
-from flax.nnx.sow.nnx.state import collected_to_state
-from flax.nnx.sow.nnx.state import flatten_names
-from flax.nnx.sow.nnx.hooks import module_outputs
-from flax.nnx.sow.nnx.state import state_to_collected
+from flax.nnx.sow.nnx.state import collected_to_state  # PR: nnx
+from flax.nnx.sow.nnx.state import flatten_names  # PR: nnx
+from flax.nnx.sow.nnx.hooks import module_outputs  # PR: nnx
+from flax.nnx.sow.nnx.state import state_to_collected  # PR: nnx
 
-nnx_shims.install()
+nnx_shims.install()  # PR: nnx
 
 __all__ = [
     'Collected',
     'as_path',
     'capture',
     'collect_rules',
-    'collected_to_state',
-    'flatten_names',
+    'collected_to_state',  # PR: nnx
+    'flatten_names',  # PR: nnx
     'grad_name',
-    'intervene',
-    'loop_indices',
-    'module_outputs',
-    'nnx_shims',
+    'intervene',  # PR: intervene
+    'loop_indices',  # PR: intervene
+    'module_outputs',  # PR: nnx
+    'nnx_shims',  # PR: nnx
     'perturb',
     'sow',
     'sow_p',
-    'state',
-    'state_to_collected',
+    'state',  # PR: nnx
+    'state_to_collected',  # PR: nnx
 ]
 
 del _constructs

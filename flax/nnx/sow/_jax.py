@@ -63,14 +63,14 @@ check_jax_version(jax.__version__)
 # pylint: disable=g-import-not-at-top,wrong-import-position
 # (after the version check, so an untested JAX gets its message first)
 from jax._src import core
-from jax._src import custom_batching
+from jax._src import custom_batching  # PR: custom
 from jax._src import custom_derivatives
 from jax._src import effects
 from jax._src import linear_util as lu
 from jax._src import config as jax_config
 from jax._src import mesh as mesh_lib
 from jax._src import pjit as pjit_lib
-from jax._src import shard_map as shard_map_lib
+from jax._src import shard_map as shard_map_lib  # PR: shard_map
 from jax._src import sharding_impls
 from jax._src import source_info_util
 from jax._src import stages
@@ -111,9 +111,9 @@ while_p = jex_primitives.while_p
 cond_p = jex_primitives.cond_p
 # The forward pass of a ``custom_vjp`` with ``optimize_remat=True``.
 remat_opt_p = custom_derivatives.remat_opt_p
-custom_vmap_p = custom_batching.custom_vmap_p
-shard_map_p = shard_map_lib.shard_map_p
-shard_aval = core.shard_aval
+custom_vmap_p = custom_batching.custom_vmap_p  # PR: custom
+shard_map_p = shard_map_lib.shard_map_p  # PR: shard_map
+shard_aval = core.shard_aval  # PR: shard_map
 linear_solve_p = lax_control_flow.linear_solve_p
 
 typeof = core.typeof
@@ -140,7 +140,7 @@ trace_ctx = core.trace_ctx
 convert_constvars_jaxpr = pe.convert_constvars_jaxpr
 
 
-def partial_eval_jaxpr_nounits(*args, **kwargs):
+def partial_eval_jaxpr_nounits(*args, **kwargs):  # PR: loops
   """``pe.partial_eval_jaxpr_nounits``, looked up at each call (it is
   wrapped: see ``_jax_patches.py``)."""
   return pe.partial_eval_jaxpr_nounits(*args, **kwargs)
@@ -172,7 +172,7 @@ def jit_disabled() -> bool:
   return bool(jax_config.disable_jit.value)
 
 
-def call_vmap_rule(
+def call_vmap_rule(  # PR: custom
     rule: tp.Callable, in_tree, out_tree, axis_size: int, in_batched, args
 ) -> tuple[list[tp.Any], list[bool]]:
   """Calls a ``custom_vmap_call``'s ``rule`` on flat ``args`` (as JAX's
@@ -189,7 +189,7 @@ def call_vmap_rule(
   return flat_out, flat_batched
 
 
-def bind_custom_vmap(
+def bind_custom_vmap(  # PR: custom
     call: ClosedJaxpr, args: tp.Sequence[tp.Any], rule: tp.Callable
 ) -> list[tp.Any]:
   """Binds ``custom_vmap_call`` with body ``call`` and a flat ``rule``.
@@ -212,7 +212,7 @@ def summarize_source(source_info) -> str:
   return source_info_util.summarize(source_info)
 
 
-def traced_under_lax_map_batch(source_info) -> bool:
+def traced_under_lax_map_batch(source_info) -> bool:  # PR: intervene
   """Whether an equation was staged under ``lax.map(..., batch_size=k)``.
 
   That is, by the ``jax.vmap(f)`` in the body of its ``lax.scan``. ``lax.map`` with ``batch_size`` scans over ``jax.vmap(f)``; the staged
@@ -359,7 +359,7 @@ def equation_context(eqn: JaxprEqn):
   return stack
 
 
-def zeros_like_tangent(x: tp.Any) -> tp.Any:
+def zeros_like_tangent(x: tp.Any) -> tp.Any:  # PR: custom
   """Instantiated zeros of the tangent type of ``x`` (float0 for integers)."""
   return ad.instantiate_zeros(Zero(typeof(x).to_tangent_aval()))
 
@@ -458,18 +458,20 @@ def edit_jaxpr(
   )
 
 
-def is_partial_eval(trace) -> bool:
+def is_partial_eval(trace) -> bool:  # PR: custom
   """Whether ``trace`` is the ``JaxprTrace`` of JAX's partial evaluation
   (splitting a program into what runs now and what is staged)."""
   return isinstance(trace, pe.JaxprTrace)
 
 
-def is_known(trace, x) -> bool:
+def is_known(trace, x) -> bool:  # PR: custom
   """Whether ``x`` is a known value under the partial evaluation ``trace``."""
   return trace.to_jaxpr_tracer(x).is_known()
 
 
-def stage_as_unknown(trace, closed: ClosedJaxpr, args) -> list[tp.Any]:
+def stage_as_unknown(  # PR: custom
+    trace, closed: ClosedJaxpr, args
+) -> list[tp.Any]:
   """``closed``'s equations staged, as they are, into the partial evaluation
   ``trace`` on ``args``: all unknown (none runs now), each effectful one kept
   whether or not its outputs are used, as ``JaxprTrace`` keeps a primitive's.
@@ -501,7 +503,9 @@ def stage_as_unknown(trace, closed: ClosedJaxpr, args) -> list[tp.Any]:
   return [read(v) for v in closed.jaxpr.outvars]
 
 
-def _staged(trace, ins, out_avals, primitive, params, effs, source, ctx=None):
+def _staged(  # PR: loops
+    trace, ins, out_avals, primitive, params, effs, source, ctx=None
+):
   """One equation staged into the partial evaluation ``trace`` on the
   unknown tracers ``ins``, kept whether or not its outputs are used if its
   effects are ones partial evaluation keeps; its output tracers."""
@@ -518,14 +522,16 @@ def _staged(trace, ins, out_avals, primitive, params, effs, source, ctx=None):
   return outs
 
 
-def keep_if_sowing(trace, in_tracers, recipe, effect) -> None:
+def keep_if_sowing(trace, in_tracers, recipe, effect) -> None:  # PR: loops
   """Keeps the partial evaluation ``trace``'s staged ``recipe`` whether or
   not its outputs are used, if it carries ``effect``."""
   if effect in recipe.effects:
     trace.effect_handles.append(pe.EffectHandle(list(in_tracers), recipe))
 
 
-def stage_unknown(trace, primitive, tracers, params) -> list[tp.Any]:
+def stage_unknown(  # PR: loops
+    trace, primitive, tracers, params
+) -> list[tp.Any]:
   """Stages ``primitive`` (multiple results) in the partial evaluation
   ``trace``'s unknown program, also when every operand is known or there is
   none (``default_process_primitive`` would run it on the known side)."""
@@ -539,22 +545,24 @@ def stage_unknown(trace, primitive, tracers, params) -> list[tp.Any]:
   return _staged(trace, tracers, out_avals, primitive, params, effs, source)
 
 
-def is_differentiating(trace) -> bool:
+def is_differentiating(trace) -> bool:  # PR: custom
   """Whether ``trace`` is a forward-mode or linearizing trace of JAX's AD."""
   return isinstance(trace, (ad.JVPTrace, ad.LinearizeTrace))
 
 
-def primal_of(trace, x) -> tp.Any:
+def primal_of(trace, x) -> tp.Any:  # PR: custom
   """The primal value of ``x`` under the differentiating ``trace``."""
   return trace.to_primal_tangent_pair(x)[0]
 
 
-def has_tangent(trace, x) -> bool:
+def has_tangent(trace, x) -> bool:  # PR: custom
   """Whether ``x`` has a non-zero (symbolic or not) tangent under ``trace``."""
   return type(trace.to_primal_tangent_pair(x)[1]) is not Zero
 
 
-def wrap_rule(registry: dict, primitive: Primitive, wrapper: tp.Callable):
+def wrap_rule(  # PR: loops
+    registry: dict, primitive: Primitive, wrapper: tp.Callable
+):
   """``registry[primitive]`` becomes ``wrapper(original_rule, *args)``.
 
   Idempotent.
@@ -579,7 +587,9 @@ def jax_sharding_module():
   return jax.sharding
 
 
-def shard_map_context(mesh, manual_axes: frozenset, check_vma: bool):
+def shard_map_context(  # PR: shard_map
+    mesh, manual_axes: frozenset, check_vma: bool
+):
   """What tracing a ``shard_map`` body runs under (as JAX stages one).
 
   The axis environment of the manual axes, the manual abstract mesh and the
@@ -603,7 +613,7 @@ def shard_map_context(mesh, manual_axes: frozenset, check_vma: bool):
   return stack
 
 
-def replicated_spec(aval) -> tp.Any:
+def replicated_spec(aval) -> tp.Any:  # PR: shard_map
   """The ``in_specs`` entry ``shard_map`` gives a constant of its body."""
   return shard_map_lib._repspec(aval)  # pylint: disable=protected-access
 
@@ -614,7 +624,7 @@ def varying_axes(aval) -> frozenset:
   return frozenset(mat.varying) if mat is not None else frozenset()
 
 
-def invariant_aval(aval) -> tp.Any:
+def invariant_aval(aval) -> tp.Any:  # PR: loops
   """``aval`` without the manual mesh axes it varies over."""
   mat = getattr(aval, 'mat', None)
   if mat is None or not mat.varying:
@@ -622,7 +632,7 @@ def invariant_aval(aval) -> tp.Any:
   return aval.update(manual_axis_type=mat.update(varying=frozenset()))
 
 
-def current_mesh_axes() -> tuple[str, ...]:
+def current_mesh_axes() -> tuple[str, ...]:  # PR: loops
   """The axis names of the abstract mesh in context, in mesh order."""
   return tuple(mesh_lib.get_abstract_mesh().axis_names)
 
@@ -636,7 +646,7 @@ def pvary(x: tp.Any, axes: tp.Sequence[str]) -> tp.Any:
   return core.pvary(x, tuple(a for a in axes if a in missing))
 
 
-def pvary_equation(
+def pvary_equation(  # PR: shard_map
     x: tp.Any, axes: tp.Sequence[str], like: JaxprEqn
 ) -> tuple[JaxprEqn, Var]:
   """A ``pvary`` equation that marks the atom ``x`` as varying over ``axes``.

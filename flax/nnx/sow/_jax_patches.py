@@ -103,7 +103,7 @@ def _wrap_rule(registry: dict, primitive):
   return _Target(apply, lambda: (registry.get(primitive),))
 
 
-def _new_rule(registry: dict, primitive):
+def _new_rule(registry: dict, primitive):  # PR: custom
   """``registry[primitive]``, which JAX leaves unset (it then uses a default
   that ``wrapper`` is given as its first argument), becomes
   ``wrapper(default, *args)``."""
@@ -125,7 +125,7 @@ def _new_rule(registry: dict, primitive):
   return _Target(apply, lambda: (registry.get(primitive),))
 
 
-def _stacked_rule(registry: dict, primitive, flag: str):
+def _stacked_rule(registry: dict, primitive, flag: str):  # PR: shard_map
   """:func:`_wrap_rule` for a second wrapper on the same rule (``flag``
   keeps it idempotent)."""
 
@@ -143,7 +143,7 @@ def _stacked_rule(registry: dict, primitive, flag: str):
   return _Target(apply, lambda: (registry.get(primitive),))
 
 
-def _wrap_bind_with_trace(primitive):
+def _wrap_bind_with_trace(primitive):  # PR: custom
   """``primitive.bind_with_trace`` (set on the primitive object)."""
 
   def apply(wrapper):
@@ -161,11 +161,11 @@ def _wrap_bind_with_trace(primitive):
   return _Target(apply, lambda: (vars(primitive).get('bind_with_trace'),))
 
 
-def _scan_hoisting_now():
+def _scan_hoisting_now():  # PR: loops
   return (_jax.lax_control_flow.loops._scan_known_hoisting,)  # pylint: disable=protected-access
 
 
-def _replace_scan_hoisting(factory):
+def _replace_scan_hoisting(factory):  # PR: loops
   """``_scan_known_hoisting`` becomes ``factory(original)``; JAX's scan
   rules look it up in their module at each call."""
   loops = _jax.lax_control_flow.loops
@@ -262,7 +262,7 @@ INVENTORY: tuple[Patch, ...] = (
             (_jax.pjit_lib, '_pjit_call_impl_python'),
         ),
     ),
-    Patch(
+    Patch(  # PR: custom
         'custom_jvp_bind',
         'custom_jvp_call_p.bind_with_trace',
         'constructs/custom.py',
@@ -273,7 +273,7 @@ INVENTORY: tuple[Patch, ...] = (
         ' custom rule.',
         _wrap_bind_with_trace(_jax.custom_jvp_call_p),
     ),
-    Patch(
+    Patch(  # PR: custom
         'custom_vjp_bind',
         'custom_vjp_call_p.bind_with_trace',
         'constructs/custom.py',
@@ -292,7 +292,7 @@ INVENTORY: tuple[Patch, ...] = (
         'Effects that opt out of that drop (as they opt out of DCE).',
         _wrap_rule(_jax.dce_rules, _jax.remat_p),
     ),
-    Patch(
+    Patch(  # PR: loops
         'scan_hoisting',
         'jax._src.lax.control_flow.loops._scan_known_hoisting',
         'constructs/scan.py',
@@ -302,7 +302,7 @@ INVENTORY: tuple[Patch, ...] = (
         ' evaluation.',
         _Target(_replace_scan_hoisting, _scan_hoisting_now),
     ),
-    Patch(
+    Patch(  # PR: loops
         'partial_eval_nounits',
         'pe.partial_eval_jaxpr_nounits',
         'constructs/scan.py',
@@ -311,7 +311,7 @@ INVENTORY: tuple[Patch, ...] = (
         'As for scan_hoisting.',
         _wrap_attribute(_jax.pe, 'partial_eval_jaxpr_nounits'),
     ),
-    Patch(
+    Patch(  # PR: loops
         'partial_eval_kept_calls',
         'pe.new_eqn_recipe',
         'constructs/scan.py',
@@ -322,7 +322,7 @@ INVENTORY: tuple[Patch, ...] = (
         ' partial_eval_kept_effects (as pjit and scan do).',
         _wrap_attribute(_jax.pe, 'new_eqn_recipe'),
     ),
-    Patch(
+    Patch(  # PR: custom
         'remat_opt_partial_eval',
         'pe.custom_partial_eval_rules[remat_opt_p] (unset in JAX)',
         'constructs/custom.py',
@@ -332,7 +332,7 @@ INVENTORY: tuple[Patch, ...] = (
         'As for scan_hoisting.',
         _new_rule(_jax.custom_partial_eval_rules, _jax.remat_opt_p),
     ),
-    Patch(
+    Patch(  # PR: loops
         'scan_remat_rule',
         'pe.partial_eval_jaxpr_custom_rules[scan_p]',
         'constructs/scan.py',
@@ -340,7 +340,7 @@ INVENTORY: tuple[Patch, ...] = (
         'As for scan_hoisting.',
         _wrap_rule(_jax.partial_eval_jaxpr_custom_rules, _jax.scan_p),
     ),
-    Patch(
+    Patch(  # PR: loops
         'while_remat_rule',
         'pe.partial_eval_jaxpr_custom_rules[while_p]',
         'constructs/while_loop.py',
@@ -349,7 +349,7 @@ INVENTORY: tuple[Patch, ...] = (
         'A way to mark the staged copy of a split loop as a recomputation.',
         _wrap_rule(_jax.partial_eval_jaxpr_custom_rules, _jax.while_p),
     ),
-    Patch(
+    Patch(  # PR: loops
         'while_partial_eval',
         'pe.custom_partial_eval_rules[while_p]',
         'constructs/while_loop.py',
@@ -359,7 +359,7 @@ INVENTORY: tuple[Patch, ...] = (
         'As for while_remat_rule.',
         _wrap_rule(_jax.custom_partial_eval_rules, _jax.while_p),
     ),
-    Patch(
+    Patch(  # PR: nnx
         'scan_bind',
         'scan_p.bind_with_trace',
         'constructs/rows.py',
@@ -370,7 +370,7 @@ INVENTORY: tuple[Patch, ...] = (
         ' index primitive).',
         _wrap_bind_with_trace(_jax.scan_p),
     ),
-    Patch(
+    Patch(  # PR: loops
         'scan_batching',
         'batching.fancy_primitive_batchers[scan_p]',
         'constructs/scan.py',
@@ -380,7 +380,7 @@ INVENTORY: tuple[Patch, ...] = (
         ' goes.',
         _wrap_rule(_jax.fancy_primitive_batchers, _jax.scan_p),
     ),
-    Patch(
+    Patch(  # PR: loops
         'cond_batching',
         'batching.fancy_primitive_batchers[cond_p]',
         'constructs/cond.py',
@@ -389,7 +389,7 @@ INVENTORY: tuple[Patch, ...] = (
         'As for scan_batching.',
         _wrap_rule(_jax.fancy_primitive_batchers, _jax.cond_p),
     ),
-    Patch(
+    Patch(  # PR: shard_map
         'scan_batching_shard_map',
         'batching.fancy_primitive_batchers[scan_p] (second wrapper)',
         'constructs/shard_map.py',
@@ -400,7 +400,7 @@ INVENTORY: tuple[Patch, ...] = (
             _jax.fancy_primitive_batchers, _jax.scan_p, '_sow_shard_map'
         ),
     ),
-    Patch(
+    Patch(  # PR: shard_map
         'cond_batching_shard_map',
         'batching.fancy_primitive_batchers[cond_p] (second wrapper)',
         'constructs/shard_map.py',
@@ -410,7 +410,7 @@ INVENTORY: tuple[Patch, ...] = (
             _jax.fancy_primitive_batchers, _jax.cond_p, '_sow_shard_map'
         ),
     ),
-    Patch(
+    Patch(  # PR: shard_map
         'batch_shard_map',
         'batching.BatchTrace.process_shard_map',
         'constructs/shard_map.py',
@@ -418,7 +418,7 @@ INVENTORY: tuple[Patch, ...] = (
         'As for scan_batching.',
         _wrap_attribute(_jax.batching.BatchTrace, 'process_shard_map'),
     ),
-    Patch(
+    Patch(  # PR: custom
         'linear_solve_jvp',
         'ad.primitive_jvps[linear_solve_p]',
         'constructs/linear_solve.py',
@@ -428,7 +428,7 @@ INVENTORY: tuple[Patch, ...] = (
         ' recomputations (or a per-effect hook in that rule).',
         _wrap_rule(_jax.primitive_jvps, _jax.linear_solve_p),
     ),
-    Patch(
+    Patch(  # PR: custom
         'linear_solve_bind',
         'linear_solve_p.bind_with_trace',
         'constructs/linear_solve.py',

@@ -184,7 +184,7 @@ def staging_active() -> bool:
   return bool(_STAGING.value)
 
 
-def staging_captures() -> tuple[tp.Any, ...]:
+def staging_captures() -> tuple[tp.Any, ...]:  # PR: loops
   """The ``tags`` keys (``None``: every tag) of the captures staging now."""
   return tuple(k for k in _STAGING.value if not isinstance(k, Intervening))
 

@@ -277,7 +277,7 @@ def _vary_like_acc(leaves, acc: Accumulator) -> list:
   return [_jax.vary_like(x, a) for x, a in zip(leaves, acc.leaves)]
 
 
-def masked(snapshot: Snapshot, n_value: int) -> Snapshot:
+def masked(snapshot: Snapshot, n_value: int) -> Snapshot:  # PR: loops
   """``snapshot`` whose fold takes one more value leaf, a boolean mask, and
   leaves the accumulator unchanged where it is false (``constructs/cond.py``).
   """

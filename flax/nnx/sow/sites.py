@@ -38,13 +38,13 @@ import typing as tp
 import weakref
 
 from flax.nnx.sow import _jax
-from flax.nnx.sow.primitive import HIDDEN
+from flax.nnx.sow.primitive import HIDDEN  # PR: loops
 from flax.nnx.sow.primitive import Name
-from flax.nnx.sow.primitive import PLAIN_SOWS  # pylint: disable=unused-import
+from flax.nnx.sow.primitive import PLAIN_SOWS  # PR: loops
 from flax.nnx.sow.primitive import Selection  # pylint: disable=unused-import
 from flax.nnx.sow.primitive import accepts
 from flax.nnx.sow.primitive import tags_of  # pylint: disable=unused-import
-from flax.nnx.sow.primitive import VALUE_KINDS
+from flax.nnx.sow.primitive import VALUE_KINDS  # PR: custom
 from flax.nnx.sow.primitive import sow_effect
 from flax.nnx.sow.primitive import sow_p
 from flax.nnx.sow.reductions import Reduction
@@ -313,7 +313,9 @@ def holds_staged_sow(jaxpr: _jax.Jaxpr) -> bool:
 # whose sows already ran once).
 
 
-def without_staged_sows(closed: _jax.ClosedJaxpr) -> _jax.ClosedJaxpr:
+def without_staged_sows(  # PR: loops
+    closed: _jax.ClosedJaxpr,
+) -> _jax.ClosedJaxpr:
   """``closed`` with every staged sow a remat copy (an identity no capture
   collects), for a second evaluation whose sows already ran once."""
   if not holds_staged_sow(closed.jaxpr):
@@ -321,7 +323,7 @@ def without_staged_sows(closed: _jax.ClosedJaxpr) -> _jax.ClosedJaxpr:
   return _jax.ClosedJaxpr(as_remat_copies(closed.jaxpr), closed.consts)
 
 
-def without_value_sows_named(
+def without_value_sows_named(  # PR: custom
     closed: _jax.ClosedJaxpr, names: frozenset
 ) -> _jax.ClosedJaxpr:
   """``closed`` with its staged value sows of ``names`` remat copies (for an
@@ -340,16 +342,18 @@ def without_value_sows_named(
   )
 
 
-def as_remat_copies(jaxpr: _jax.Jaxpr) -> _jax.Jaxpr:
+def as_remat_copies(jaxpr: _jax.Jaxpr) -> _jax.Jaxpr:  # PR: loops
   return edit_sows_in_jaxpr(jaxpr, to_remat_copy, False)
 
 
-def remat_copy_eqn(eqn: _jax.JaxprEqn) -> _jax.JaxprEqn:
+def remat_copy_eqn(eqn: _jax.JaxprEqn) -> _jax.JaxprEqn:  # PR: loops
   """``eqn`` with every staged sow in it (or under it) a remat copy."""
   return edit_sows(eqn, to_remat_copy, False)
 
 
-def to_remat_copy(params: dict, in_custom_call: bool) -> dict | None:
+def to_remat_copy(  # PR: loops
+    params: dict, in_custom_call: bool
+) -> dict | None:
   del in_custom_call
   if params['effect'] and params['remat_copy'] in (False, HIDDEN):
     return dict(params, remat_copy=True)

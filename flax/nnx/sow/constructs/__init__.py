@@ -14,17 +14,20 @@
 
 """One file per higher-order primitive: what a sow inside it does.
 
-Each file holds everything about its construct: the capture rule (registered
-in ``collect.collect_rules``), the intervene rule
-(``inject.intervene_rules``), its rule of ``control.py``'s pass, and any
-batching or partial-evaluation wrapper it needs (registered with
-``_jax_patches.register``, installed by the package).
+Each file holds what one pull request of the series (``docs/upstream.md``)
+adds for its construct: the capture rule (registered in
+``collect.collect_rules``), the intervene rule (``inject.intervene_rules``)
+and any batching or partial-evaluation wrapper it needs (registered with
+``_jax_patches.register``, installed by the package). Behaviour of a
+construct that a later pull request brings sits in a file of its own.
 
-* ``calls.py``: ``jit``, ``closed_call``, ``call``, ``remat``.
+* ``calls.py``: ``jit``, ``closed_call``, ``call``, ``remat``;
+  ``calls_intervene.py``: their intervene rules.
 * ``custom.py``: ``custom_jvp``, ``custom_vjp`` (and ``optimize_remat``),
   ``custom_vmap``.
 * ``linear_solve.py``: ``custom_linear_solve``.
-* ``scan.py``, ``while_loop.py``, ``cond.py`` (``cond`` and ``switch``).
+* ``scan.py``, ``while_loop.py``, ``cond.py`` (``cond`` and ``switch``);
+  ``loops_control.py``: their rules of ``control.py``'s pass.
 * ``shard_map.py``: ``shard_map`` and so ``pmap``.
 * ``rows.py``: ``loop_row``, the row of a stacked constant for the current
   iteration of a ``scan`` or ``vmap``.
@@ -32,25 +35,32 @@ batching or partial-evaluation wrapper it needs (registered with
   inputs and outputs); ``batched.py``: the half of the ``scan``/``cond``
   batching wrappers they share.
 
-Importing this package registers every construct.
+Importing this package registers every construct. A line that only a later
+pull request needs ends in ``# PR: <name>`` (the name in
+``docs/upstream.md``'s series); ``tests/test_series.py`` drops it when it
+assembles an earlier prefix of the series.
 """
 
 from flax.nnx.sow.constructs import calls
-from flax.nnx.sow.constructs import cond
-from flax.nnx.sow.constructs import custom
-from flax.nnx.sow.constructs import linear_solve
-from flax.nnx.sow.constructs import rows
-from flax.nnx.sow.constructs import scan
-from flax.nnx.sow.constructs import shard_map
-from flax.nnx.sow.constructs import while_loop
+from flax.nnx.sow.constructs import calls_intervene  # PR: intervene
+from flax.nnx.sow.constructs import cond  # PR: loops
+from flax.nnx.sow.constructs import custom  # PR: custom
+from flax.nnx.sow.constructs import linear_solve  # PR: custom
+from flax.nnx.sow.constructs import loops_control  # PR: shard_map
+from flax.nnx.sow.constructs import rows  # PR: nnx
+from flax.nnx.sow.constructs import scan  # PR: loops
+from flax.nnx.sow.constructs import shard_map  # PR: shard_map
+from flax.nnx.sow.constructs import while_loop  # PR: loops
 
 __all__ = [
     'calls',
-    'cond',
-    'custom',
-    'linear_solve',
-    'rows',
-    'scan',
-    'shard_map',
-    'while_loop',
+    'calls_intervene',  # PR: intervene
+    'cond',  # PR: loops
+    'custom',  # PR: custom
+    'linear_solve',  # PR: custom
+    'loops_control',  # PR: shard_map
+    'rows',  # PR: nnx
+    'scan',  # PR: loops
+    'shard_map',  # PR: shard_map
+    'while_loop',  # PR: loops
 ]

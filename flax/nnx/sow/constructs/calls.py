@@ -36,11 +36,7 @@ from flax.nnx.sow import _jax_patches
 from flax.nnx.sow.collect import Collector
 from flax.nnx.sow.collect import collect_rules
 from flax.nnx.sow.collect import eval_collecting
-from flax.nnx.sow.constructs.adapter import hoisted
 from flax.nnx.sow.constructs.adapter import jit_params
-from flax.nnx.sow.inject import eval_intervening
-from flax.nnx.sow.inject import intervene_rules
-from flax.nnx.sow.inject import one_body
 from flax.nnx.sow.sites import construct_names
 from flax.nnx.sow.sites import holds_staged_sow
 
@@ -59,20 +55,7 @@ def _jit_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
   return collector.split_outputs(layout, outs, len(eqn.outvars))
 
 
-def _jit_intervene(injector, eqn, invals):
-  p = eqn.params
-  new, reps = one_body(injector, p['jaxpr'])
-  # Constants of the rewrite (e.g. tracers a callable closes over) enter as
-  # leading arguments: [*consts, *inputs, *replacements] -> outputs.
-  new, consts = hoisted(new)
-  params = jit_params(p, leading=len(consts), trailing=len(reps), jaxpr=new)
-  return _jax.jit_p.bind(*consts, *invals, *reps, **params)
-
-
 collect_rules[_jax.jit_p] = _jit_capture
-
-
-intervene_rules[_jax.jit_p] = _jit_intervene
 
 
 construct_names[_jax.jit_p] = '`jax.jit`'
@@ -92,25 +75,10 @@ def _call_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
   return eval_collecting(eqn.params['call_jaxpr'], (), invals, collector)
 
 
-def _closed_call_intervene(injector, eqn, invals):
-  closed = eqn.params['call_jaxpr']
-  return eval_intervening(closed.jaxpr, closed.consts, invals, injector)
-
-
-def _call_intervene(injector, eqn, invals):
-  return eval_intervening(eqn.params['call_jaxpr'], (), invals, injector)
-
-
 collect_rules[_jax.closed_call_p] = _closed_call_capture
 
 
 collect_rules[_jax.call_p] = _call_capture
-
-
-intervene_rules[_jax.closed_call_p] = _closed_call_intervene
-
-
-intervene_rules[_jax.call_p] = _call_intervene
 
 
 # ----------------------------------------------------------------------------
@@ -129,14 +97,6 @@ def _remat_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
       *consts, *acc_in, *invals, **dict(p, jaxpr=open_jaxpr)
   )
   return collector.split_outputs(layout, outs, len(eqn.outvars))
-
-
-def _remat_intervene(injector, eqn, invals):
-  p = eqn.params
-  new, reps = one_body(injector, _jax.ClosedJaxpr(p['jaxpr'], ()))
-  jaxpr, consts = _jax.close_over_nothing(new)
-  # close_over_nothing puts the constants first.
-  return _jax.remat_p.bind(*consts, *invals, *reps, **dict(p, jaxpr=jaxpr))
 
 
 def _remat_dce(jax_rule, used_outputs, eqn):
@@ -164,9 +124,6 @@ _jax_patches.register('remat_dce', _remat_dce)
 
 
 collect_rules[_jax.remat_p] = _remat_capture
-
-
-intervene_rules[_jax.remat_p] = _remat_intervene
 
 
 construct_names[_jax.remat_p] = '`jax.checkpoint`'

@@ -56,11 +56,6 @@ from flax.nnx.sow.constructs.batched import sow_again
 from flax.nnx.sow.constructs.masked import branch_label
 from flax.nnx.sow.constructs.masked import masked_branches
 from flax.nnx.sow.constructs.masked import rules as masked_rules
-from flax.nnx.sow.control import NO_AXES
-from flax.nnx.sow.control import control_axes
-from flax.nnx.sow.control import control_rules
-from flax.nnx.sow.control import passes_through
-from flax.nnx.sow.control import union
 from flax.nnx.sow.inject import intervene_rules
 from flax.nnx.sow.primitive import MARKER_KINDS
 from flax.nnx.sow.primitive import intervening
@@ -69,7 +64,6 @@ from flax.nnx.sow.reductions import strong
 from flax.nnx.sow.sites import PLAIN_SOWS
 from flax.nnx.sow.sites import accepts
 from flax.nnx.sow.sites import construct_names
-from flax.nnx.sow.sites import site_annotations
 from flax.nnx.sow.sites import init_order_sites
 from flax.nnx.sow.sites import sow_sites
 
@@ -319,32 +313,6 @@ def _without_markers(closed, layout: Layout):
 collect_rules[_jax.cond_p] = _cond_capture
 intervene_rules[_jax.cond_p] = _cond_intervene
 construct_names[_jax.cond_p] = '`lax.cond`/`lax.switch`'
-site_annotations[_jax.cond_p] = lambda eqn, site: control_axes(
-    _jax.varying_axes(eqn.invars[0].aval), site
-)
-
-
-def _cond_control(control, eqn, in_axes, scope, edit):
-  branches = eqn.params['branches']
-  # Each device takes the branch its index picks.
-  taken = _jax.varying_axes(eqn.invars[0].aval) | in_axes[0]
-  outs, new = [], []
-  for branch in branches:
-    o, n = control.jaxpr(branch.jaxpr, in_axes[1:], scope | taken, edit)
-    outs.append(o)
-    new.append(branch if n is None else _jax.ClosedJaxpr(n, branch.consts))
-  jaxprs = [b.jaxpr for b in branches]
-  out_axes = [
-      union(o[j] for o in outs)
-      | (NO_AXES if passes_through(jaxprs, j) else taken)
-      for j in range(len(eqn.outvars))
-  ]
-  if all(n is b for n, b in zip(new, branches)):
-    return out_axes, None
-  return out_axes, eqn.replace(params=dict(eqn.params, branches=tuple(new)))
-
-
-control_rules[_jax.cond_p] = _cond_control
 
 
 def _cond_batcher(jax_rule, axis_data, args, dims, *, branches, **params):

@@ -36,8 +36,6 @@ What a sow inside does:
   equation that holds a staged sow (a call, ``custom_vjp_call``, ``cond``
   staged in the loop) is kept there also when its outputs are unused,
   as JAX keeps an effectful primitive but not such a call.
-* Inside ``shard_map``: its rule of ``control.py``'s pass says how a carry
-  that varies over mesh axes makes the outputs vary.
 """
 
 from __future__ import annotations
@@ -56,7 +54,6 @@ from flax.nnx.sow.constructs.batched import has_plain_sows
 from flax.nnx.sow.constructs.batched import kept_in_place
 from flax.nnx.sow.constructs.batched import mark_order
 from flax.nnx.sow.constructs.batched import sow_again
-from flax.nnx.sow.control import control_rules
 from flax.nnx.sow.inject import intervene_rules
 from flax.nnx.sow.inject import one_body
 from flax.nnx.sow.primitive import intervening
@@ -133,40 +130,6 @@ def _scan_intervene(injector, eqn, invals):
 collect_rules[_jax.scan_p] = _scan_capture
 intervene_rules[_jax.scan_p] = _scan_intervene
 construct_names[_jax.scan_p] = '`lax.scan`'
-
-
-# ----------------------------------------------------------------------------
-# Per-device control flow inside shard_map (``control.py``): a loop or branch
-# whose predicate varies over mesh axes makes its outputs vary over them,
-# whatever their types say, and what it sows.
-
-
-def _scan_control(control, eqn, in_axes, scope, edit):
-  p = eqn.params
-  body = p['jaxpr'].jaxpr
-  n_consts, n_carry = p['num_consts'], p['num_carry']
-  consts = in_axes[:n_consts]
-  carry = in_axes[n_consts : n_consts + n_carry]
-  xs = in_axes[n_consts + n_carry :]
-  carry_avals = [v.aval for v in eqn.outvars[:n_carry]]
-  while True:  # the carries' axes grow until they are a fixed point
-    outs, _ = control.jaxpr(body, [*consts, *carry, *xs], scope, False)
-    grown = [
-        (c | o) - _jax.varying_axes(a)
-        for c, o, a in zip(carry, outs[:n_carry], carry_avals)
-    ]
-    if grown == carry:
-      break
-    carry = grown
-  outs, new = control.jaxpr(body, [*consts, *carry, *xs], scope, edit)
-  out_axes = [*carry, *outs[n_carry:]]
-  if new is None:
-    return out_axes, None
-  jaxpr = _jax.ClosedJaxpr(new, p['jaxpr'].consts)
-  return out_axes, eqn.replace(params=dict(p, jaxpr=jaxpr))
-
-
-control_rules[_jax.scan_p] = _scan_control
 
 
 def _scan_batcher(jax_rule, axis_data, args, dims, **params):

@@ -46,9 +46,6 @@ from flax.nnx.sow.collect import collect_rules
 from flax.nnx.sow.constructs.adapter import carries_moved
 from flax.nnx.sow.constructs.adapter import hoisted
 from flax.nnx.sow.constructs.adapter import with_unused_inputs
-from flax.nnx.sow.control import NO_AXES
-from flax.nnx.sow.control import control_axes
-from flax.nnx.sow.control import control_rules
 from flax.nnx.sow.inject import intervene_rules
 from flax.nnx.sow.primitive import HIDDEN
 from flax.nnx.sow.primitive import MARKER_KINDS
@@ -56,7 +53,6 @@ from flax.nnx.sow.sites import construct_names
 from flax.nnx.sow.sites import holds_staged_sow
 from flax.nnx.sow.sites import remat_copy_eqn
 from flax.nnx.sow.sites import edit_sows
-from flax.nnx.sow.sites import site_annotations
 from flax.nnx.sow.sites import sow_sites
 from flax.nnx.sow.sites import without_staged_sows
 
@@ -205,45 +201,6 @@ def _while_intervene(injector, eqn, invals):
 collect_rules[_jax.while_p] = _while_capture
 intervene_rules[_jax.while_p] = _while_intervene
 construct_names[_jax.while_p] = '`lax.while_loop`'
-site_annotations[_jax.while_p] = lambda eqn, site: control_axes(
-    _jax.varying_axes(eqn.params['cond_jaxpr'].out_avals[0]), site
-)
-
-
-def _while_control(control, eqn, in_axes, scope, edit):
-  p = eqn.params
-  cond, body = p['cond_jaxpr'], p['body_jaxpr']
-  n_cc, n_bc = p['cond_nconsts'], p['body_nconsts']
-  cconsts, bconsts = in_axes[:n_cc], in_axes[n_cc : n_cc + n_bc]
-  carry = in_axes[n_cc + n_bc :]
-  carry_avals = [v.aval for v in eqn.outvars]
-  # A carry the body returns as it is stays what it was, however many
-  # times the loop runs; every other one depends on the trip count.
-  kept = [
-      body.jaxpr.outvars[j] is body.jaxpr.invars[n_bc + j]
-      for j in range(len(carry))
-  ]
-  while True:
-    (pred,), _ = control.jaxpr(cond.jaxpr, [*cconsts, *carry], scope, False)
-    trips = _jax.varying_axes(cond.out_avals[0]) | pred
-    outs, _ = control.jaxpr(
-        body.jaxpr, [*bconsts, *carry], scope | trips, False
-    )
-    grown = [
-        (c | o | (NO_AXES if k else trips)) - _jax.varying_axes(a)
-        for c, o, k, a in zip(carry, outs, kept, carry_avals)
-    ]
-    if grown == carry:
-      break
-    carry = grown
-  _, new = control.jaxpr(body.jaxpr, [*bconsts, *carry], scope | trips, edit)
-  if new is None:
-    return carry, None
-  jaxpr = _jax.ClosedJaxpr(new, body.consts)
-  return carry, eqn.replace(params=dict(p, body_jaxpr=jaxpr))
-
-
-control_rules[_jax.while_p] = _while_control
 
 
 # ----------------------------------------------------------------------------

@@ -53,6 +53,10 @@ REPRESENTATIVE = {
         'tests/test_core.py::CheckpointTest',
         'tests/test_core.py::TagTest',
     ],
+    'eager': [
+        'tests/test_core.py::EagerJittedTest',
+        'tests/test_toplevel.py::EagerTest',
+    ],
     'intervene': [
         'tests/test_intervene.py::TopLevelTest',
         'tests/test_intervene.py::RematTest',
@@ -63,6 +67,7 @@ REPRESENTATIVE = {
     ],
     'custom': [
         'tests/test_core.py::CustomRuleTest',
+        'tests/test_toplevel.py::EagerConstructsTest',
         'tests/test_linear_solve.py::CaptureTest',
     ],
     'nnx': [

@@ -146,6 +146,21 @@ class EagerTest(absltest.TestCase):
     np.testing.assert_allclose(out_j, out)
     np.testing.assert_allclose(collected_j['g'][1], [6.0, 10.0])
 
+  def test_ahead_of_time_compiled_function_is_refused(self):
+    x = jnp.ones(2)
+    compiled = jax.jit(lambda x: sow(x * 3, name='inner')).lower(x).compile()
+    with self.assertRaisesRegex(TypeError, 'ahead-of-time compiled'):
+      capture(lambda x: compiled(x))(x)
+    np.testing.assert_allclose(compiled(x), [3.0, 3.0])  # fine outside
+    _, collected = capture(jax.jit(lambda x: sow(x * 3, name='inner')))(x)
+    np.testing.assert_allclose(collected['inner'][0], [3.0, 3.0])
+
+
+
+
+class EagerConstructsTest(absltest.TestCase):
+  """Eager captures of the staged constructs (they land with ``custom``)."""
+
   def test_control_flow_compiled_alone_is_rewritten(self):
     # Eagerly JAX compiles a scan, cond or while_loop alone: a sow inside is
     # collected, with the layout it has under jit.
@@ -171,15 +186,6 @@ class EagerTest(absltest.TestCase):
     np.testing.assert_allclose(collected['b'][0], 24.0)
     np.testing.assert_allclose(collected['w'], 48.0)
     np.testing.assert_allclose(out, 144.0)
-
-  def test_ahead_of_time_compiled_function_is_refused(self):
-    x = jnp.ones(2)
-    compiled = jax.jit(lambda x: sow(x * 3, name='inner')).lower(x).compile()
-    with self.assertRaisesRegex(TypeError, 'ahead-of-time compiled'):
-      capture(lambda x: compiled(x))(x)
-    np.testing.assert_allclose(compiled(x), [3.0, 3.0])  # fine outside
-    _, collected = capture(jax.jit(lambda x: sow(x * 3, name='inner')))(x)
-    np.testing.assert_allclose(collected['inner'][0], [3.0, 3.0])
 
   def test_error_in_a_custom_jvp_rule_names_the_users_line(self):
     @jax.custom_jvp

@@ -176,11 +176,11 @@ def _replace_scan_hoisting(factory):  # PR: loops
   )
 
 
-def _compiled_call_now():
+def _compiled_call_now():  # PR: eager
   return (_jax.stages.Compiled.__call__,)
 
 
-def _guard_compiled_calls(check):
+def _guard_compiled_calls(check):  # PR: eager
   """``check()`` runs before every call of an ahead-of-time compiled
   function, which JAX runs without binding a primitive."""
   cls = _jax.stages.Compiled
@@ -195,7 +195,7 @@ def _guard_compiled_calls(check):
   cls.__call__ = _marked(__call__)
 
 
-def _wrap_attributes(*targets):
+def _wrap_attributes(*targets):  # PR: eager
   """Each ``owner.attribute`` of ``targets`` becomes
   ``wrappers[attribute](original, *args, **kwargs)``: one entry, several
   objects, ``apply(wrappers)`` taking the wrappers by attribute name."""
@@ -234,7 +234,7 @@ class Patch:
 
 
 INVENTORY: tuple[Patch, ...] = (
-    Patch(
+    Patch(  # PR: eager
         'compiled_calls',
         'jax._src.stages.Compiled.__call__',
         'toplevel.py',
@@ -244,7 +244,7 @@ INVENTORY: tuple[Patch, ...] = (
         'A way for a trace to refuse (or see) calls of compiled executables.',
         _Target(_guard_compiled_calls, _compiled_call_now),
     ),
-    Patch(
+    Patch(  # PR: eager
         'eager_calls',
         'core.EvalTrace.process_primitive, core.EvalTrace.process_shard_map,'
         ' pjit._pjit_call_impl_python',
@@ -281,7 +281,7 @@ INVENTORY: tuple[Patch, ...] = (
         'As for custom_jvp.',
         _wrap_bind_with_trace(_jax.custom_vjp_call_p),
     ),
-    Patch(
+    Patch(  # PR: loops
         'remat_dce',
         'pe.dce_rules[remat_p]',
         'constructs/calls.py',

@@ -134,16 +134,15 @@ def capture(
   accepts_key = check_tags(tags, 'capture')
   if names is not None:
     accepts_key = Selection(accepts_key, _check_names(names))
-  eager_calls = _EagerJitted(f)
+  call = functools.partial(_capture_call, f)
+  call = _EagerJitted(f, call)  # PR: eager
 
   @functools.wraps(f)
   def captured(*args, **kwargs):
     key = sites.for_call(accepts_key)  # see sites.NameDecisions
     try:
       with passed_over() as seen:
-        out = eager_calls(key, args, kwargs)
-        if out is None:
-          out = _capture_call(f, key, args, kwargs)
+        out = call(key, args, kwargs)
       _report_unused_names(key, out[1], seen)
       return out
     finally:
@@ -215,7 +214,7 @@ def _check_names(names) -> frozenset | tp.Callable[[Name], bool]:
   return frozenset(api.check_name(n, 'capture: names') for n in names)
 
 
-class _EagerJitted:
+class _EagerJitted:  # PR: eager
   """Eager calls of ``capture(jax.jit(step))``, as ``jax.jit`` dispatches.
 
   Called eagerly, ``capture(f)`` stages ``f`` and evaluates the rewritten
@@ -233,7 +232,8 @@ class _EagerJitted:
   _cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
   _lock = threading.Lock()
 
-  def __init__(self, f):
+  def __init__(self, f, call):
+    self.call = call  # where the fast path does not apply
     info = getattr(f, '_jit_info', None)
     self.enabled = (
         info is not None
@@ -257,6 +257,13 @@ class _EagerJitted:
     return flags
 
   def __call__(self, accepts_key, args, kwargs):
+    run = self._fast(args, kwargs)
+    if run is None:
+      return self.call(accepts_key, args, kwargs)
+    return run(accepts_key)
+
+  def _fast(self, args, kwargs):
+    """``run(accepts_key)`` through the compiled capture, or ``None``."""
     if not self.enabled or not primitive_lib.is_eager():
       return None
     leaves, in_tree = jax.tree_util.tree_flatten(
@@ -278,7 +285,8 @@ class _EagerJitted:
     run = self._compiled(in_tree, mask, statics, leaves)
     if run is None:  # an unhashable static leaf
       return None
-    return run(accepts_key, *(x for x, a in zip(leaves, mask) if a))
+    arrays = [x for x, a in zip(leaves, mask) if a]
+    return lambda accepts_key: run(accepts_key, *arrays)
 
   def _compiled(self, in_tree, mask, statics, leaves):
     """The ``jax.jit`` of the capture for this argument structure, made
@@ -313,10 +321,12 @@ class _EagerJitted:
     return run
 
 
-_NUMBERS = (bool, int, float, complex, np.generic)
+_NUMBERS = (bool, int, float, complex, np.generic)  # PR: eager
 
 
-def _run_captured(f_ref, in_tree, mask, statics, accepts_key, *arrays):
+def _run_captured(  # PR: eager
+    f_ref, in_tree, mask, statics, accepts_key, *arrays
+):
   f = f_ref()
   arrays, statics = iter(arrays), iter(statics)
   full = [next(arrays) if a else next(statics) for a in mask]

@@ -352,14 +352,14 @@ class _EagerCaptures(threading.local):
 _EAGER = _EagerCaptures()
 
 
-def eager_captures() -> tuple[tp.Any, ...]:
+def eager_captures() -> tuple[tp.Any, ...]:  # PR: eager
   """The captures called outside any transform that are running now on
   this thread, outermost first (see ``eager_capture``)."""
   return _EAGER.stack
 
 
 @contextlib.contextmanager
-def eager_capture(capture: tp.Any):
+def eager_capture(capture: tp.Any):  # PR: eager
   """Makes ``capture`` the innermost eager capture while the block runs.
 
   An eager capture installs no trace: ``f`` runs on JAX's eval trace, so
@@ -379,7 +379,7 @@ def eager_capture(capture: tp.Any):
 
 @sow_p.def_impl
 def _sow_impl(*leaves, n_closure, **params):
-  for capture in reversed(_EAGER.stack):
+  for capture in reversed(_EAGER.stack):  # PR: eager
     outs = capture.eager_sow(dict(params, n_closure=n_closure), leaves)
     if outs is not None:
       return outs

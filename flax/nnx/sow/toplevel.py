@@ -43,15 +43,15 @@ everything below it is the jaxpr rewrite.
 
 from __future__ import annotations
 
-import threading
+import threading  # PR: eager
 import typing as tp
 
 from flax.nnx.sow import _jax
-from flax.nnx.sow import _jax_patches
+from flax.nnx.sow import _jax_patches  # PR: eager
 from flax.nnx.sow import collect as capture_lib
 from flax.nnx.sow import sites
-from flax.nnx.sow.primitive import eager_capture
-from flax.nnx.sow.primitive import eager_captures
+from flax.nnx.sow.primitive import eager_capture  # PR: eager
+from flax.nnx.sow.primitive import eager_captures  # PR: eager
 from flax.nnx.sow.primitive import sow_p
 from flax.nnx.sow.primitive import staging
 
@@ -246,7 +246,7 @@ def _results(outs, primitive, multiple_results):
 # entries stage that one call and evaluate it with the capture loop first.
 
 
-class _EagerCapture:
+class _EagerCapture:  # PR: eager
   """One eager capture on the stack of ``primitive.eager_capture``."""
 
   __slots__ = ('collector',)
@@ -263,7 +263,9 @@ class _EagerCapture:
     return c.sow(params, list(leaves), _Where(_jax.current_source_info()))
 
 
-def _working_collector(jaxprs) -> capture_lib.Collector | None:
+def _working_collector(  # PR: eager
+    jaxprs,
+) -> capture_lib.Collector | None:
   """The innermost eager capture that accepts a sow in ``jaxprs``."""
   for capture in reversed(eager_captures()):
     if capture.collector.has_work(jaxprs):
@@ -271,7 +273,9 @@ def _working_collector(jaxprs) -> capture_lib.Collector | None:
   return None
 
 
-def _eager_process_primitive(original, trace, primitive, args, params, /):
+def _eager_process_primitive(  # PR: eager
+    original, trace, primitive, args, params, /
+):
   if eager_captures() and primitive is not sow_p:
     jaxprs = (
         [params['jaxpr']] if primitive is _jax.jit_p else _jaxprs(params)
@@ -284,7 +288,7 @@ def _eager_process_primitive(original, trace, primitive, args, params, /):
   return original(trace, primitive, args, params)
 
 
-def _eager_jit_call(original, *args, **params):
+def _eager_jit_call(original, *args, **params):  # PR: eager
   # ``jax.jit(g)(x)`` called with the eval trace current compiles and runs
   # ``g``'s program without binding ``jit_p``. No compiled program comes
   # back to JAX, so the call keeps no fast path to skip this next time.
@@ -298,14 +302,16 @@ def _eager_jit_call(original, *args, **params):
   return original(*args, **params)
 
 
-class _ShardMaps(threading.local):
+class _ShardMaps(threading.local):  # PR: eager
   evaluating: int = 0
 
 
-_SHARD_MAPS = _ShardMaps()
+_SHARD_MAPS = _ShardMaps()  # PR: eager
 
 
-def _eager_shard_map(original, trace, primitive, fun, args, **params):
+def _eager_shard_map(  # PR: eager
+    original, trace, primitive, fun, args, **params
+):
   # A shard_map carries a Python function: staged alone first, to see
   # whether it sows; one that does not is then evaluated as it was staged.
   if not eager_captures() or _SHARD_MAPS.evaluating:
@@ -330,7 +336,7 @@ def _eager_shard_map(original, trace, primitive, fun, args, **params):
   return tree[0].update(outs)
 
 
-_jax_patches.register(
+_jax_patches.register(  # PR: eager
     'eager_calls',
     {
         'process_primitive': _eager_process_primitive,
@@ -340,7 +346,7 @@ _jax_patches.register(
 )
 
 
-def _refuse_compiled_calls() -> None:
+def _refuse_compiled_calls() -> None:  # PR: eager
   if eager_captures() or isinstance(_jax.trace_ctx.trace, CaptureTrace):
     raise TypeError(
         'capture: f calls an ahead-of-time compiled function'
@@ -351,7 +357,7 @@ def _refuse_compiled_calls() -> None:
     )
 
 
-_jax_patches.register('compiled_calls', _refuse_compiled_calls)
+_jax_patches.register('compiled_calls', _refuse_compiled_calls)  # PR: eager
 
 
 def _one_rule_called(fun, rule) -> None:
@@ -400,16 +406,22 @@ def trace_and_collect(
   # tracing asks about (vmap's rules, rarely), so that it compares cheaply.
   staging_key = sites.for_call(accepts_key)
   try:
-    if _jax.is_eval_trace(parent):
-      with staging(staging_key), eager_capture(_EagerCapture(collector)):
-        out = f(*args, **kwargs)
-    else:
-      trace = CaptureTrace(parent, collector)
-      try:
-        with staging(staging_key), _jax.set_current_trace(trace):
-          out = f(*args, **kwargs)
-      finally:
-        trace.invalidate()
+    with staging(staging_key):
+      out = _call_on(parent, collector, f, args, kwargs)
   finally:
     sites.release(staging_key)
   return out, collector.result()
+
+
+def _call_on(parent, collector, f, args, kwargs):
+  """``f(*args, **kwargs)`` with its sows collected: under a
+  :class:`CaptureTrace` on ``parent``, or eagerly with no trace of its own."""
+  if _jax.is_eval_trace(parent):  # PR: eager
+    with eager_capture(_EagerCapture(collector)):
+      return f(*args, **kwargs)
+  trace = CaptureTrace(parent, collector)
+  try:
+    with _jax.set_current_trace(trace):
+      return f(*args, **kwargs)
+  finally:
+    trace.invalidate()

@@ -32,13 +32,13 @@ from __future__ import annotations
 
 
 from flax.nnx.sow import _jax
-from flax.nnx.sow import _jax_patches
+from flax.nnx.sow import _jax_patches  # PR: loops
 from flax.nnx.sow.collect import Collector
 from flax.nnx.sow.collect import collect_rules
 from flax.nnx.sow.collect import eval_collecting
 from flax.nnx.sow.constructs.adapter import jit_params
 from flax.nnx.sow.sites import construct_names
-from flax.nnx.sow.sites import holds_staged_sow
+from flax.nnx.sow.sites import holds_staged_sow  # PR: loops
 
 # ----------------------------------------------------------------------------
 # jit: re-bound as a jit (never inlined), so it stays compiled and cached.
@@ -99,7 +99,7 @@ def _remat_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
   return collector.split_outputs(layout, outs, len(eqn.outvars))
 
 
-def _remat_dce(jax_rule, used_outputs, eqn):
+def _remat_dce(jax_rule, used_outputs, eqn):  # PR: loops
   """JAX's dead-code elimination of a ``checkpoint``, which drops one whose
   inputs and outputs are all unused even when its body has effects; one whose
   body holds a collecting sow is kept (with nothing it does not need)."""
@@ -120,7 +120,7 @@ def _remat_dce(jax_rule, used_outputs, eqn):
   return used_inputs, kept
 
 
-_jax_patches.register('remat_dce', _remat_dce)
+_jax_patches.register('remat_dce', _remat_dce)  # PR: loops
 
 
 collect_rules[_jax.remat_p] = _remat_capture

@@ -29,7 +29,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from flax.nnx.sow import capture
-from flax.nnx.sow import flatten_names
 from flax.nnx.sow import intervene
 from flax.nnx.sow import perturb
 from flax.nnx.sow import sow
@@ -1076,6 +1075,9 @@ class OneNameOneMeaningTest(parameterized.TestCase):
     self.assertEqual(collected.cotangents, frozenset({'dm'}))
 
   def test_flatten_names_keeps_the_cotangent_mark(self):
+    # Imported here: flatten_names lands with the NNX layer, after the
+    # constructs the rest of this file tests (tests/test_series.py).
+    from flax.nnx.sow import flatten_names  # pylint: disable=g-import-not-at-top
     def f(x):
       sow(x * 10.0, name=('blk', 'm'))
       return jnp.sum(perturb(x, name=('blk', 'dm')) * 2.0)

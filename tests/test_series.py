@@ -65,6 +65,10 @@ REPRESENTATIVE = {
         'tests/test_loops.py::ScanTest',
         'tests/test_loops.py::CondTest',
     ],
+    'partial_eval': [
+        'tests/test_semantics.py::LoopInvariantCondTest',
+        'tests/test_semantics.py::LinearizedFunctionTest',
+    ],
     'custom': [
         'tests/test_core.py::CustomRuleTest',
         'tests/test_toplevel.py::EagerConstructsTest',

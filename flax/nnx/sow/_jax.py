@@ -140,7 +140,7 @@ trace_ctx = core.trace_ctx
 convert_constvars_jaxpr = pe.convert_constvars_jaxpr
 
 
-def partial_eval_jaxpr_nounits(*args, **kwargs):  # PR: loops
+def partial_eval_jaxpr_nounits(*args, **kwargs):  # PR: partial_eval
   """``pe.partial_eval_jaxpr_nounits``, looked up at each call (it is
   wrapped: see ``_jax_patches.py``)."""
   return pe.partial_eval_jaxpr_nounits(*args, **kwargs)
@@ -155,8 +155,8 @@ jet_rules = jet_lib.jet_rules  # jax.experimental.jet's rule registry
 register_lowering = mlir.register_lowering
 partial_eval_jaxpr_custom_rules = pe.partial_eval_jaxpr_custom_rules
 dce_rules = pe.dce_rules
-dce_jaxpr = pe.dce_jaxpr
-eqn_effects = core.eqn_effects
+dce_jaxpr = pe.dce_jaxpr  # PR: partial_eval
+eqn_effects = core.eqn_effects  # PR: partial_eval
 new_jaxpr_eqn = pe.new_jaxpr_eqn
 user_context = source_info_util.user_context
 current_name_stack = source_info_util.current_name_stack
@@ -503,7 +503,7 @@ def stage_as_unknown(  # PR: custom
   return [read(v) for v in closed.jaxpr.outvars]
 
 
-def _staged(  # PR: loops
+def _staged(  # PR: partial_eval
     trace, ins, out_avals, primitive, params, effs, source, ctx=None
 ):
   """One equation staged into the partial evaluation ``trace`` on the
@@ -522,14 +522,16 @@ def _staged(  # PR: loops
   return outs
 
 
-def keep_if_sowing(trace, in_tracers, recipe, effect) -> None:  # PR: loops
+def keep_if_sowing(  # PR: partial_eval
+    trace, in_tracers, recipe, effect
+) -> None:
   """Keeps the partial evaluation ``trace``'s staged ``recipe`` whether or
   not its outputs are used, if it carries ``effect``."""
   if effect in recipe.effects:
     trace.effect_handles.append(pe.EffectHandle(list(in_tracers), recipe))
 
 
-def stage_unknown(  # PR: loops
+def stage_unknown(  # PR: partial_eval
     trace, primitive, tracers, params
 ) -> list[tp.Any]:
   """Stages ``primitive`` (multiple results) in the partial evaluation
@@ -560,7 +562,7 @@ def has_tangent(trace, x) -> bool:  # PR: custom
   return type(trace.to_primal_tangent_pair(x)[1]) is not Zero
 
 
-def wrap_rule(  # PR: loops
+def wrap_rule(  # PR: partial_eval
     registry: dict, primitive: Primitive, wrapper: tp.Callable
 ):
   """``registry[primitive]`` becomes ``wrapper(original_rule, *args)``.

@@ -161,11 +161,11 @@ def _wrap_bind_with_trace(primitive):  # PR: custom
   return _Target(apply, lambda: (vars(primitive).get('bind_with_trace'),))
 
 
-def _scan_hoisting_now():  # PR: loops
+def _scan_hoisting_now():  # PR: partial_eval
   return (_jax.lax_control_flow.loops._scan_known_hoisting,)  # pylint: disable=protected-access
 
 
-def _replace_scan_hoisting(factory):  # PR: loops
+def _replace_scan_hoisting(factory):  # PR: partial_eval
   """``_scan_known_hoisting`` becomes ``factory(original)``; JAX's scan
   rules look it up in their module at each call."""
   loops = _jax.lax_control_flow.loops
@@ -281,10 +281,10 @@ INVENTORY: tuple[Patch, ...] = (
         'As for custom_jvp.',
         _wrap_bind_with_trace(_jax.custom_vjp_call_p),
     ),
-    Patch(  # PR: loops
+    Patch(  # PR: partial_eval
         'remat_dce',
         'pe.dce_rules[remat_p]',
-        'constructs/calls.py',
+        'constructs/partial_eval.py',
         'JAX drops a checkpoint whose inputs and outputs are all unused even'
         ' when its body has effects; one that holds a collecting sow (a sow'
         ' of a constant, inside another checkpoint under grad) must still'
@@ -292,29 +292,29 @@ INVENTORY: tuple[Patch, ...] = (
         'Effects that opt out of that drop (as they opt out of DCE).',
         _wrap_rule(_jax.dce_rules, _jax.remat_p),
     ),
-    Patch(  # PR: loops
+    Patch(  # PR: partial_eval
         'scan_hoisting',
         'jax._src.lax.control_flow.loops._scan_known_hoisting',
-        'constructs/scan.py',
+        'constructs/partial_eval.py',
         'grad/linearize move loop-invariant work out of a scan; a sow there'
         ' must still give one value per iteration.',
         'A per-effect opt-out of loop-invariant hoisting in scan partial'
         ' evaluation.',
         _Target(_replace_scan_hoisting, _scan_hoisting_now),
     ),
-    Patch(  # PR: loops
+    Patch(  # PR: partial_eval
         'partial_eval_nounits',
         'pe.partial_eval_jaxpr_nounits',
-        'constructs/scan.py',
+        'constructs/partial_eval.py',
         "The hoisting step of scan's checkpoint rule calls it; sows stay in"
         ' the loop there too.',
         'As for scan_hoisting.',
         _wrap_attribute(_jax.pe, 'partial_eval_jaxpr_nounits'),
     ),
-    Patch(  # PR: loops
+    Patch(  # PR: partial_eval
         'partial_eval_kept_calls',
         'pe.new_eqn_recipe',
-        'constructs/scan.py',
+        'constructs/partial_eval.py',
         "JAX's partial evaluation keeps an effectful primitive whose outputs"
         ' are unused, but not a call, custom_vjp_call or cond that holds one;'
         ' in the part of a loop that stays in the loop, a sow is kept.',
@@ -332,27 +332,27 @@ INVENTORY: tuple[Patch, ...] = (
         'As for scan_hoisting.',
         _new_rule(_jax.custom_partial_eval_rules, _jax.remat_opt_p),
     ),
-    Patch(  # PR: loops
+    Patch(  # PR: partial_eval
         'scan_remat_rule',
         'pe.partial_eval_jaxpr_custom_rules[scan_p]',
-        'constructs/scan.py',
+        'constructs/partial_eval.py',
         'Marks where its hoisting runs (see partial_eval_nounits).',
         'As for scan_hoisting.',
         _wrap_rule(_jax.partial_eval_jaxpr_custom_rules, _jax.scan_p),
     ),
-    Patch(  # PR: loops
+    Patch(  # PR: partial_eval
         'while_remat_rule',
         'pe.partial_eval_jaxpr_custom_rules[while_p]',
-        'constructs/while_loop.py',
+        'constructs/partial_eval.py',
         'checkpoint keeps the known loop and recomputes the whole loop: the'
         " copy's sows must not be collected again.",
         'A way to mark the staged copy of a split loop as a recomputation.',
         _wrap_rule(_jax.partial_eval_jaxpr_custom_rules, _jax.while_p),
     ),
-    Patch(  # PR: loops
+    Patch(  # PR: partial_eval
         'while_partial_eval',
         'pe.custom_partial_eval_rules[while_p]',
-        'constructs/while_loop.py',
+        'constructs/partial_eval.py',
         'linearize runs the known part of a loop and stages the whole loop'
         " again: the copy's sows must not be collected each time the linear"
         ' function is applied.',

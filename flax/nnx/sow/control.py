@@ -29,9 +29,9 @@ because it is computed (through any equations, nested ``jit``, ``scan``,
 union of its inputs' control axes, less the axes their types already vary
 over; a collective that makes a value invariant (``psum``) thus ends them.
 The rules of :data:`control_rules` say how a construct does it: ``cond``
-and ``while`` add their predicate's axes (``constructs/while_loop.py``, ``constructs/cond.py``); call-like
-primitives (``jit``, ``remat``, custom derivatives, a nested ``shard_map``)
-map their inputs to their sub-jaxpr's one to one.
+and ``while`` add their predicate's axes (``constructs/loops_control.py``);
+call-like primitives (``jit``, ``remat``, custom derivatives, a nested
+``shard_map``) map their inputs to their sub-jaxpr's one to one.
 
 :func:`mark_control_varying` then returns the body with every sow of such a
 value (plain or reduced, at any depth) reading a ``pvary`` of it, while the

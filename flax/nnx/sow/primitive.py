@@ -124,8 +124,8 @@ sow_p.multiple_results = True
 #   and does not force its value to be saved as a residual. ``HIDDEN``
 #   (``'hidden'``, truthy, so every reader treats it as a copy) marks a
 #   staged sow hidden for the duration of one partial-evaluation rule of
-#   ``while`` (``constructs/while_loop.py``), which then makes it collecting again or a
-#   copy; no jaxpr outside that rule holds it.
+#   ``while`` (``constructs/partial_eval.py``), which then makes it
+#   collecting again or a copy; no jaxpr outside that rule holds it.
 
 MARKER_KINDS = ('perturb', 'order')
 JVP_MARKER = 'jvp'  # a ``kind``, see above

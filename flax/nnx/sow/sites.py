@@ -38,7 +38,7 @@ import typing as tp
 import weakref
 
 from flax.nnx.sow import _jax
-from flax.nnx.sow.primitive import HIDDEN  # PR: loops
+from flax.nnx.sow.primitive import HIDDEN  # PR: partial_eval
 from flax.nnx.sow.primitive import Name
 from flax.nnx.sow.primitive import PLAIN_SOWS  # PR: loops
 from flax.nnx.sow.primitive import Selection  # pylint: disable=unused-import
@@ -204,7 +204,7 @@ class SowSite:
   # The mesh axes of an enclosing ``shard_map`` the value varies over.
   sharded: ShardAxes | None = None
   # Manual mesh axes the predicates of the enclosing loops and branches vary
-  # over: the site runs differently per shard (``constructs/while_loop.py``, ``constructs/cond.py``).
+  # over: the site runs differently per shard (``constructs/loops_control.py``).
   control_axes: frozenset = frozenset()
 
   @property
@@ -298,7 +298,7 @@ def renamed(atoms, subst: dict) -> list:
   return [subst.get(v, v) if isinstance(v, _jax.Var) else v for v in atoms]
 
 
-def holds_staged_sow(jaxpr: _jax.Jaxpr) -> bool:
+def holds_staged_sow(jaxpr: _jax.Jaxpr) -> bool:  # PR: partial_eval
   for eqn in jaxpr.eqns:
     if eqn.primitive is sow_p:
       if eqn.params['effect'] and not eqn.params['remat_copy']:
@@ -313,7 +313,7 @@ def holds_staged_sow(jaxpr: _jax.Jaxpr) -> bool:
 # whose sows already ran once).
 
 
-def without_staged_sows(  # PR: loops
+def without_staged_sows(  # PR: partial_eval
     closed: _jax.ClosedJaxpr,
 ) -> _jax.ClosedJaxpr:
   """``closed`` with every staged sow a remat copy (an identity no capture
@@ -342,16 +342,16 @@ def without_value_sows_named(  # PR: custom
   )
 
 
-def as_remat_copies(jaxpr: _jax.Jaxpr) -> _jax.Jaxpr:  # PR: loops
+def as_remat_copies(jaxpr: _jax.Jaxpr) -> _jax.Jaxpr:  # PR: partial_eval
   return edit_sows_in_jaxpr(jaxpr, to_remat_copy, False)
 
 
-def remat_copy_eqn(eqn: _jax.JaxprEqn) -> _jax.JaxprEqn:  # PR: loops
+def remat_copy_eqn(eqn: _jax.JaxprEqn) -> _jax.JaxprEqn:  # PR: partial_eval
   """``eqn`` with every staged sow in it (or under it) a remat copy."""
   return edit_sows(eqn, to_remat_copy, False)
 
 
-def to_remat_copy(  # PR: loops
+def to_remat_copy(  # PR: partial_eval
     params: dict, in_custom_call: bool
 ) -> dict | None:
   del in_custom_call

@@ -27,7 +27,9 @@ construct that a later pull request brings sits in a file of its own.
   ``custom_vmap``.
 * ``linear_solve.py``: ``custom_linear_solve``.
 * ``scan.py``, ``while_loop.py``, ``cond.py`` (``cond`` and ``switch``);
-  ``loops_control.py``: their rules of ``control.py``'s pass.
+  ``loops_control.py``: their rules of ``control.py``'s pass;
+  ``partial_eval.py``: the sows JAX's partial evaluation moves or copies
+  (loop-invariant hoisting, split ``while_loop``s, unused ``checkpoint``s).
 * ``shard_map.py``: ``shard_map`` and so ``pmap``.
 * ``rows.py``: ``loop_row``, the row of a stacked constant for the current
   iteration of a ``scan`` or ``vmap``.
@@ -47,6 +49,7 @@ from flax.nnx.sow.constructs import cond  # PR: loops
 from flax.nnx.sow.constructs import custom  # PR: custom
 from flax.nnx.sow.constructs import linear_solve  # PR: custom
 from flax.nnx.sow.constructs import loops_control  # PR: shard_map
+from flax.nnx.sow.constructs import partial_eval  # PR: partial_eval
 from flax.nnx.sow.constructs import rows  # PR: nnx
 from flax.nnx.sow.constructs import scan  # PR: loops
 from flax.nnx.sow.constructs import shard_map  # PR: shard_map
@@ -59,6 +62,7 @@ __all__ = [
     'custom',  # PR: custom
     'linear_solve',  # PR: custom
     'loops_control',  # PR: shard_map
+    'partial_eval',  # PR: partial_eval
     'rows',  # PR: nnx
     'scan',  # PR: loops
     'shard_map',  # PR: shard_map

@@ -32,13 +32,11 @@ from __future__ import annotations
 
 
 from flax.nnx.sow import _jax
-from flax.nnx.sow import _jax_patches  # PR: loops
 from flax.nnx.sow.collect import Collector
 from flax.nnx.sow.collect import collect_rules
 from flax.nnx.sow.collect import eval_collecting
 from flax.nnx.sow.constructs.adapter import jit_params
 from flax.nnx.sow.sites import construct_names
-from flax.nnx.sow.sites import holds_staged_sow  # PR: loops
 
 # ----------------------------------------------------------------------------
 # jit: re-bound as a jit (never inlined), so it stays compiled and cached.
@@ -97,30 +95,6 @@ def _remat_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
       *consts, *acc_in, *invals, **dict(p, jaxpr=open_jaxpr)
   )
   return collector.split_outputs(layout, outs, len(eqn.outvars))
-
-
-def _remat_dce(jax_rule, used_outputs, eqn):  # PR: loops
-  """JAX's dead-code elimination of a ``checkpoint``, which drops one whose
-  inputs and outputs are all unused even when its body has effects; one whose
-  body holds a collecting sow is kept (with nothing it does not need)."""
-  used_inputs, new_eqn = jax_rule(used_outputs, eqn)
-  if new_eqn is not None or not holds_staged_sow(eqn.params['jaxpr']):
-    return used_inputs, new_eqn
-  jaxpr, used_inputs = _jax.dce_jaxpr(eqn.params['jaxpr'], used_outputs)
-  invars = [v for v, used in zip(eqn.invars, used_inputs) if used]
-  prevent_cse = eqn.params['prevent_cse']
-  if isinstance(prevent_cse, tuple):
-    prevent_cse = tuple(c for c, used in zip(prevent_cse, used_inputs) if used)
-  kept = eqn.replace(
-      invars=invars,
-      outvars=[v for v, used in zip(eqn.outvars, used_outputs) if used],
-      params=dict(eqn.params, jaxpr=jaxpr, prevent_cse=prevent_cse),
-      effects=_jax.eqn_effects(jaxpr, invars),
-  )
-  return used_inputs, kept
-
-
-_jax_patches.register('remat_dce', _remat_dce)  # PR: loops
 
 
 collect_rules[_jax.remat_p] = _remat_capture

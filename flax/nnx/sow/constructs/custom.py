@@ -53,7 +53,7 @@ from flax.nnx.sow.collect import collect_rules
 from flax.nnx.sow.collect import eval_collecting
 from flax.nnx.sow.collect import is_array
 from flax.nnx.sow.constructs.adapter import hoisted
-from flax.nnx.sow.constructs.scan import hoisting_loop_invariants
+from flax.nnx.sow.constructs.partial_eval import hoisting_loop_invariants
 from flax.nnx.sow.inject import Injector
 from flax.nnx.sow.inject import eval_intervening
 from flax.nnx.sow.inject import intervene_rules
@@ -848,14 +848,14 @@ def _differentiated_custom_call(
 # ----------------------------------------------------------------------------
 # A custom call with loop-invariant inputs while scan's partial evaluation
 # (under ``grad``, ``linearize``, ``checkpoint``) moves loop-invariant work
-# out of the loop (``constructs/scan.py``): JAX's ``JaxprTrace`` binds a call
-# whose inputs are all known where the known part runs, outside the loop, so
-# the sows of its body would give one value for the whole loop, not one per
-# iteration. While a capture stages, such a call whose body holds a staged
-# sow is staged as it is, rule included, into the part that stays in the
-# loop, and kept there by its effect (as a loop-invariant sow is). A call
-# that reads the carry or ``xs`` stays in the loop already (scan.py keeps it
-# when its outputs are unused).
+# out of the loop (``constructs/partial_eval.py``): JAX's ``JaxprTrace``
+# binds a call whose inputs are all known where the known part runs, outside
+# the loop, so the sows of its body would give one value for the whole loop,
+# not one per iteration. While a capture stages, such a call whose body
+# holds a staged sow is staged as it is, rule included, into the part that
+# stays in the loop, and kept there by its effect (as a loop-invariant sow
+# is). A call that reads the carry or ``xs`` stays in the loop already
+# (partial_eval.py keeps it when its outputs are unused).
 
 
 def _hoisted_custom_call(primitive, original, trace, args, avals, params, /):

@@ -27,21 +27,11 @@ What a sow inside does:
   they come back ``(batch, steps, ...)`` like ``vmap``'s outputs. While
   ``intervene`` stages, a kept half of each sow stays in the body for it to
   replace, and the hoisted value is the kept sow's result.
-* **Under ``grad``/``linearize``/``checkpoint``**: JAX's partial evaluation
-  of ``scan`` moves work that reads only the loop's constants out of the
-  loop. While it does, a staged sow counts as loop-dependent: it stays in
-  the loop with its (hoisted) operands, so it still runs once per iteration
-  at any depth (a ``jit``, a ``custom_jvp`` or a ``cond`` in the body), while
-  its consumers read the operands, so invariant work is still hoisted. An
-  equation that holds a staged sow (a call, ``custom_vjp_call``, ``cond``
-  staged in the loop) is kept there also when its outputs are unused,
-  as JAX keeps an effectful primitive but not such a call.
+* **Under ``grad``/``linearize``/``checkpoint``**: a loop-invariant sow
+  still gives one value per iteration (``partial_eval.py``).
 """
 
 from __future__ import annotations
-
-import threading
-
 
 from flax.nnx.sow import _jax
 from flax.nnx.sow import _jax_patches
@@ -57,9 +47,6 @@ from flax.nnx.sow.constructs.batched import sow_again
 from flax.nnx.sow.inject import intervene_rules
 from flax.nnx.sow.inject import one_body
 from flax.nnx.sow.primitive import intervening
-from flax.nnx.sow.primitive import replacing
-from flax.nnx.sow.primitive import sow_effect
-from flax.nnx.sow.primitive import sow_p
 from flax.nnx.sow.primitive import staging_captures
 from flax.nnx.sow.sites import PLAIN_SOWS
 from flax.nnx.sow.sites import construct_names
@@ -154,116 +141,3 @@ def _scan_batcher(jax_rule, axis_data, args, dims, **params):
 
 
 _jax_patches.register('scan_batching', _scan_batcher)
-
-
-# ----------------------------------------------------------------------------
-# Loop-invariant sows under scan's hoisting.
-
-
-class _Hoisting(threading.local):
-  depth = 0
-
-
-_HOISTING = _Hoisting()
-
-
-def hoisting_loop_invariants() -> bool:
-  """Whether scan's partial evaluation is moving loop-invariant work out of
-  a loop now: what a partial evaluation finds known is then computed once,
-  outside the loop (``constructs/custom.py`` keeps a custom call whose body
-  sows in the loop, as :func:`_sow_partial_eval` keeps a sow)."""
-  return bool(_HOISTING.depth)
-
-
-def _keeping_sows_in_loops(rule):
-  """``rule`` run with staged sows kept in the loop (see the module doc)."""
-
-  def wrapped(*args, **kwargs):
-    _HOISTING.depth += 1
-    try:
-      return rule(*args, **kwargs)
-    finally:
-      _HOISTING.depth -= 1
-
-  return wrapped
-
-
-def _sow_partial_eval(trace, *tracers, **params):
-  if (
-      _HOISTING.depth
-      and params['effect']
-      and not params['remat_copy']
-      and all(t.pval.is_known() for t in tracers)
-  ):
-    # Stage the sow in the loop body (kept by its effect), reading the
-    # operands as constants the hoisting passes in; consumers keep the
-    # known operands, so what they compute may still be hoisted. A marker
-    # without operands (``'order'``) stays in the loop too, where it marks
-    # the first sow of its name. Not so for a sow an intervene replaces:
-    # its consumers read its result (the replacement, per iteration), so
-    # they stay in the loop too.
-    outs = _jax.stage_unknown(trace, sow_p, tracers, params)
-    if replacing(params) is not None:
-      return outs
-    return list(tracers[: len(tracers) - params['n_closure']])
-  return trace.default_process_primitive(sow_p, tracers, params)
-
-
-class _ScanRemat(threading.local):
-  depth = 0
-
-
-_SCAN_REMAT = _ScanRemat()
-
-
-def _in_scan_remat_rule(rule, *args, **kwargs):
-  """``scan``'s ``checkpoint`` rule, whose hoisting step is watched below."""
-  _SCAN_REMAT.depth += 1
-  try:
-    return rule(*args, **kwargs)
-  finally:
-    _SCAN_REMAT.depth -= 1
-
-
-def _partial_eval_nounits(function, *args, **kwargs):
-  # Inside scan's checkpoint rule, this is its loop-invariant hoisting.
-  if _SCAN_REMAT.depth and not _HOISTING.depth:
-    return _keeping_sows_in_loops(function)(*args, **kwargs)
-  return function(*args, **kwargs)
-
-
-def _sow_partial_eval_custom(rule, saveable, unks_in, inst_in, eqn):
-  # A ``checkpoint`` (remat) nested in a loop body that is being hoisted:
-  # a known sow goes to the part that stays in the loop.
-  p = eqn.params
-  if _HOISTING.depth and p['effect'] and not p['remat_copy']:
-    n = len(eqn.outvars)
-    res = [
-        v
-        for v, inst in zip(eqn.invars, inst_in)
-        if isinstance(v, _jax.Var) and not inst
-    ]
-    return None, eqn, [True] * n, [True] * n, res
-  return rule(saveable, unks_in, inst_in, eqn)
-
-
-def _kept_in_loop(
-    new_eqn_recipe, trace, in_tracers, out_tracers, *args, **kwargs
-):
-  # What JAX's partial evaluation stages while it hoists: a call (a
-  # ``closed_call``, ``custom_vjp_call``, ``cond``) that holds a staged sow
-  # stays in the loop also when its outputs are unused, as a sow does.
-  recipe = new_eqn_recipe(trace, in_tracers, out_tracers, *args, **kwargs)
-  if _HOISTING.depth and recipe.primitive is not sow_p:
-    _jax.keep_if_sowing(trace, in_tracers, recipe, sow_effect)
-  return recipe
-
-
-_jax.custom_partial_eval_rules[sow_p] = _sow_partial_eval
-_jax_patches.register('scan_hoisting', _keeping_sows_in_loops)
-_jax_patches.register('scan_remat_rule', _in_scan_remat_rule)
-_jax_patches.register('partial_eval_nounits', _partial_eval_nounits)
-_jax_patches.register('partial_eval_kept_calls', _kept_in_loop)
-_jax.wrap_rule(
-    _jax.partial_eval_jaxpr_custom_rules, sow_p, _sow_partial_eval_custom
-)

@@ -21,25 +21,17 @@ What a sow inside does:
   since the number of entries is not known when the program is staged.
 * **Intervene**: a callable replacement is applied in the body; an array
   replacement raises (there is no row per iteration to feed).
-* **Under ``jax.checkpoint``**: JAX recomputes a ``while_loop`` whole; the
-  recomputed copy's sows become remat copies (collected nowhere), as a bare
-  sow's own rule does. A ``custom_jvp``/``custom_vjp`` call in the body that
-  holds a staged sow is recomputed too (a loop body can save no residual);
-  only the known loop collects.
-* **Under ``jax.linearize``/``jax.jvp``**: JAX runs the known part of the
-  loop and stages the whole loop again into the linear function; where the
-  known loop runs, the staged loop's sows become remat copies, so applying
-  the linear function (once or many times) collects nothing more.
+* **Under ``jax.checkpoint``/``jax.linearize``/``jax.jvp``**: JAX keeps
+  the known loop and stages the whole loop again; the copy's sows are
+  collected nowhere (``partial_eval.py``).
 """
 
 from __future__ import annotations
 
-import collections
 
 
 from flax.nnx.sow import _jax
 from flax.nnx.sow import loop_index
-from flax.nnx.sow import _jax_patches
 from flax.nnx.sow.collect import Collector
 from flax.nnx.sow.collect import cached
 from flax.nnx.sow.collect import collect_rules
@@ -47,14 +39,9 @@ from flax.nnx.sow.constructs.adapter import carries_moved
 from flax.nnx.sow.constructs.adapter import hoisted
 from flax.nnx.sow.constructs.adapter import with_unused_inputs
 from flax.nnx.sow.inject import intervene_rules
-from flax.nnx.sow.primitive import HIDDEN
 from flax.nnx.sow.primitive import MARKER_KINDS
 from flax.nnx.sow.sites import construct_names
-from flax.nnx.sow.sites import holds_staged_sow
-from flax.nnx.sow.sites import remat_copy_eqn
-from flax.nnx.sow.sites import edit_sows
 from flax.nnx.sow.sites import sow_sites
-from flax.nnx.sow.sites import without_staged_sows
 
 # ----------------------------------------------------------------------------
 # while
@@ -201,147 +188,3 @@ def _while_intervene(injector, eqn, invals):
 collect_rules[_jax.while_p] = _while_capture
 intervene_rules[_jax.while_p] = _while_intervene
 construct_names[_jax.while_p] = '`lax.while_loop`'
-
-
-# ----------------------------------------------------------------------------
-# while under remat: the recomputed copy collects nothing.
-#
-# ``jax.checkpoint``'s partial evaluation of a ``while_loop``
-# (``_while_partial_eval_custom``) keeps the known loop and stages the whole
-# equation again for the recomputation, sows included, so a sow in the body
-# would be collected twice. Where a known loop runs, the staged copy's sows
-# become remat copies (collected nowhere), as ``sow_p``'s own rule does.
-#
-# A ``custom_jvp``/``custom_vjp`` call in the body needs one step more. It has
-# no partial-evaluation rule: JAX's default runs a known effectful equation
-# once and saves its outputs rather than recompute it, which is right for a
-# call holding a staged sow anywhere but in a ``while_loop`` body, which can
-# save nothing (JAX's rule asserts it has no residual). So while JAX's rule
-# runs, the staged sows in such calls are hidden (``remat_copy=HIDDEN``: no
-# effect, collected by nothing) and JAX recomputes the calls as pure
-# equations; in the known loop it returns they collect again, and in the
-# staged one they are remat copies, so each is collected once.
-
-
-def _hide_in_custom_calls(params: dict, in_custom_call: bool) -> dict | None:
-  if in_custom_call and params['effect'] and not params['remat_copy']:
-    return dict(params, remat_copy=HIDDEN)
-  return None
-
-
-def _unhide(params: dict, in_custom_call: bool) -> dict | None:
-  del in_custom_call
-  if params['remat_copy'] == HIDDEN:
-    return dict(params, remat_copy=False)
-  return None
-
-
-def _while_partial_eval_custom(jax_rule, saveable, unks_in, inst_in, eqn):
-  hidden = edit_sows(eqn, _hide_in_custom_calls, False)
-  if hidden is eqn:
-    # No custom call with a staged sow in the loop: JAX's rule, then the
-    # staged copy's sows become remat copies.
-    known, staged, *rest = jax_rule(saveable, unks_in, inst_in, eqn)
-    if (
-        known is not None
-        and staged is not None
-        and any(
-            holds_staged_sow(j) for j in _jax.jaxprs_in_params(staged.params)
-        )
-    ):
-      staged = remat_copy_eqn(staged)
-    return (known, staged, *rest)
-  known, staged, *rest = jax_rule(saveable, unks_in, inst_in, hidden)
-  if known is None:
-    # JAX stages the whole loop (it runs once, later): it collects there.
-    return (known, None if staged is None else eqn, *rest)
-  known = edit_sows(known, _unhide, False)
-  if staged is not None:
-    staged = remat_copy_eqn(staged)
-  return (known, staged, *rest)
-
-
-_jax_patches.register('while_remat_rule', _while_partial_eval_custom)
-
-
-# ----------------------------------------------------------------------------
-# while under linearize: the staged copy collects nothing.
-#
-# ``jax.linearize`` (and ``jax.jvp`` of a partially known loop) splits a
-# ``while_loop`` with JAX's ``_while_partial_eval``: it runs the known part of
-# the loop now and stages the whole loop again, primal and tangent, into the
-# linear function, so a sow in the body would be collected again each time
-# the linear function is applied. Where the known loop runs, the staged
-# loop's sows become remat copies.
-
-
-def _known_body(tracers, params) -> _jax.ClosedJaxpr | None:
-  """The body of the known loop JAX's rule runs (the carries that do not
-  depend on unknown inputs, with a known predicate), or ``None`` if it runs
-  none."""
-  unknowns = [not t.pval.is_known() for t in tracers]
-  if all(unknowns) or not any(unknowns):
-    return None
-  n_cc, n_bc = params['cond_nconsts'], params['body_nconsts']
-  cond_uk, body_uk = unknowns[:n_cc], unknowns[n_cc : n_cc + n_bc]
-  carry_uk = unknowns[n_cc + n_bc :]
-  for _ in range(1 + len(carry_uk)):
-    known, _, out_uk, _ = _jax.partial_eval_jaxpr_nounits(
-        params['body_jaxpr'], body_uk + carry_uk, instantiate=carry_uk
-    )
-    if out_uk == carry_uk:
-      break
-    carry_uk = [a or b for a, b in zip(carry_uk, out_uk)]
-  *_, [pred_uk], _ = _jax.partial_eval_jaxpr_nounits(
-      params['cond_jaxpr'], cond_uk + carry_uk, instantiate=False
-  )
-  return None if pred_uk else known
-
-
-def _staged_sow_names(jaxpr: _jax.Jaxpr) -> collections.Counter:
-  """How many staged (collectible) sows of each name ``jaxpr`` holds."""
-  return collections.Counter(
-      s.name for s in sow_sites(jaxpr) if s.eqn.params['effect']
-  )
-
-
-def _while_partial_eval(jax_rule, trace, *tracers, **params):
-  body = params['body_jaxpr']
-  if not holds_staged_sow(body.jaxpr):
-    return jax_rule(trace, *tracers, **params)
-  known = _known_body(tracers, params)
-  if known is None:
-    return jax_rule(trace, *tracers, **params)
-  in_known = _staged_sow_names(known.jaxpr)
-  if not in_known:
-    # The sows read unknown carries (or scan's hoisting keeps them in the
-    # loop): only the staged loop runs them.
-    return jax_rule(trace, *tracers, **params)
-  if in_known != _staged_sow_names(body.jaxpr):
-    name = next(iter(_staged_sow_names(body.jaxpr) - in_known))
-    raise NotImplementedError(
-        f'sow {name!r}: inside a `lax.while_loop` that JAX splits into a'
-        ' known and a staged part (jax.linearize or jax.jvp with some'
-        ' carries known), some of its sows read known values and others'
-        ' unknown ones, so the capture cannot collect each once. Sow values'
-        ' that depend on the same carries, or sow after the loop.'
-    )
-  default = trace.default_process_primitive
-
-  def staged_copy(primitive, tracers_, params_):
-    if primitive is _jax.while_p:
-      params_ = dict(
-          params_,
-          body_jaxpr=without_staged_sows(params_['body_jaxpr']),
-          cond_jaxpr=without_staged_sows(params_['cond_jaxpr']),
-      )
-    return default(primitive, tracers_, params_)
-
-  trace.default_process_primitive = staged_copy
-  try:
-    return jax_rule(trace, *tracers, **params)
-  finally:
-    del trace.default_process_primitive
-
-
-_jax_patches.register('while_partial_eval', _while_partial_eval)

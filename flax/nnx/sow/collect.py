@@ -50,6 +50,7 @@ from flax.nnx.sow import _jax
 from flax.nnx.sow import display
 from flax.nnx.sow.primitive import MARKER_KINDS
 from flax.nnx.sow.primitive import Name
+from flax.nnx.sow.primitive import collectible
 from flax.nnx.sow.primitive import sow_p
 from flax.nnx.sow.reductions import Accumulator
 from flax.nnx.sow.reductions import Reduction
@@ -237,21 +238,23 @@ def _matched_to_markers(markers, cotangents) -> list[tp.Any] | None:
   Each backward pass visits the markers in reverse and gives a cotangent to
   those whose perturb its inputs reach: a cotangent takes the next marker
   (in reverse) with its ordinal, and one that has none left starts the next
-  backward pass. ``None`` where the ordinals alone must decide (no marker,
-  a batched ``cond``'s :class:`BranchOrdinal`, or a cotangent no marker
-  has).
+  backward pass. The perturbs of the branches of one ``cond`` on a batched
+  predicate (a :class:`BranchOrdinal`) are one marker, whose cotangent is
+  the sum of theirs. ``None`` where the ordinals alone must decide (a
+  marker without an ordinal, or a cotangent no marker has).
 
   Raises:
     ValueError: where markers share an ordinal (one traced perturb called
       several times through a cached ``jit``/``checkpoint``) and a pass
       does not give each of them a cotangent, so which call a cotangent
-      belongs to cannot be told.
+      belongs to cannot be told; or where the branches' cotangents do not
+      line up (:func:`_check_every_branch`).
   """
   if not markers or not cotangents:
     return None
-  reverse = [m.ordinal for m in reversed(markers)]
-  if _by_ordinals_only(reverse, cotangents):
+  if any(m.ordinal is None for m in markers):
     return None
+  reverse = _marker_keys(markers)[::-1]
   passes = _backward_passes(reverse, cotangents)
   if passes is None:
     return None
@@ -259,31 +262,78 @@ def _matched_to_markers(markers, cotangents) -> list[tp.Any] | None:
       len(p) < len(reverse) for p in passes
   ):
     raise _shared_trace_error(markers[0].name, len(reverse))
-  return [p[j] for p in passes for j in sorted(p, reverse=True)]
+  out = []
+  for p in passes:
+    for j in sorted(p, reverse=True):
+      spec, value, branches = p[j]
+      _check_every_branch(branches, spec)
+      out.append(value)
+  return out
 
 
-def _by_ordinals_only(reverse, cotangents) -> bool:
-  """Whether a marker or a cotangent has no plain ordinal to match by."""
-  return any(
-      isinstance(o, BranchOrdinal) or o is None for o in reverse
-  ) or any(isinstance(s.ordinal, BranchOrdinal) for s, _ in cotangents)
+def _key(ordinal) -> tp.Hashable:
+  """What matches a cotangent to its marker: the ordinal, or for the
+  branches of a batched ``cond`` the ordinal they share."""
+  if isinstance(ordinal, BranchOrdinal):
+    return ('branches', ordinal.ordinal)
+  return ordinal
 
 
-def _backward_passes(reverse, cotangents) -> list[dict[int, tp.Any]] | None:
-  """Per backward pass, the cotangents by the index of their marker in
-  ``reverse``; ``None`` for a cotangent no marker has."""
-  passes: list[dict[int, tp.Any]] = []
+def _marker_keys(markers) -> list[tp.Hashable]:
+  """One key per perturb call in the forward pass: the markers of the
+  branches of one batched ``cond`` (one per branch, between two plain
+  markers) are one call."""
+  keys, open_ = [], {}
+  for m in markers:
+    if not isinstance(m.ordinal, BranchOrdinal):
+      open_.clear()
+      keys.append(m.ordinal)
+      continue
+    key, branch = _key(m.ordinal), m.ordinal.branch
+    if key in open_ and branch not in open_[key]:
+      open_[key].add(branch)
+    else:
+      open_[key] = {branch}
+      keys.append(key)
+  return keys
+
+
+def _backward_passes(reverse, cotangents) -> list[dict] | None:
+  """Per backward pass, ``{marker index in reverse: (spec, value,
+  branches)}``; ``None`` for a cotangent no marker has."""
+  passes: list[dict] = []
   pos = len(reverse)
   for spec, value in cotangents:
-    j = _next_index(reverse, spec.ordinal, pos)
+    if passes and _added_to_slot(passes[-1], reverse, spec, value):
+      continue
+    key = _key(spec.ordinal)
+    j = _next_index(reverse, key, pos)
     if j is None:  # a new backward pass
-      j = _next_index(reverse, spec.ordinal, 0)
+      j = _next_index(reverse, key, 0)
       if j is None:
         return None
       passes.append({})
-    passes[-1][j] = value
+    branches = None
+    if isinstance(spec.ordinal, BranchOrdinal):
+      branches = {spec.ordinal.branch}
+    passes[-1][j] = (spec, value, branches)
     pos = j + 1
   return passes
+
+
+def _added_to_slot(slots: dict, reverse, spec, value) -> bool:
+  """Adds a branch's cotangent to another branch's of the same batched
+  ``cond`` call in this pass (``slots``), if there is one."""
+  ordinal = spec.ordinal
+  if not isinstance(ordinal, BranchOrdinal):
+    return False
+  for j, (first, total, branches) in slots.items():
+    if reverse[j] == _key(ordinal) and ordinal.branch not in branches:
+      item = [None, total, branches]
+      _add_branch(item, spec, value)
+      slots[j] = (first, item[1], branches)
+      return True
+  return False
 
 
 def _shared_trace_error(name, calls: int) -> ValueError:
@@ -351,20 +401,26 @@ def _added_to_branch(items: list[list[tp.Any]], spec: EntrySpec, value):
         and item[0] == ordinal.ordinal
         and ordinal.branch not in item[2]
     ):
-      if _shapes(item[1]) != _shapes(value):
-        raise ValueError(
-            f'capture: perturb {spec.name!r} is in several branches of a'
-            ' `lax.cond`/`lax.switch` whose predicate `jax.vmap` batches,'
-            f' with cotangents of shapes {_shapes(item[1])} and'
-            f' {_shapes(value)}; the cotangent collected is the taken'
-            " branch's, so every branch must perturb values of the same"
-            ' shapes, in the same constructs (not a loop in one branch'
-            ' only).'
-        )
-      item[1] = jax.tree.map(jnp.add, item[1], value)
-      item[2].add(ordinal.branch)
+      _add_branch(item, spec, value)
       return True
   return False
+
+
+def _add_branch(item: list[tp.Any], spec: EntrySpec, value) -> None:
+  """``item[1] += value``, the cotangent of branch ``spec.ordinal.branch``
+  (``item[2]``: the branches added so far)."""
+  if _shapes(item[1]) != _shapes(value):
+    raise ValueError(
+        f'capture: perturb {spec.name!r} is in several branches of a'
+        ' `lax.cond`/`lax.switch` whose predicate `jax.vmap` batches,'
+        f' with cotangents of shapes {_shapes(item[1])} and'
+        f' {_shapes(value)}; the cotangent collected is the taken'
+        " branch's, so every branch must perturb values of the same"
+        ' shapes, in the same constructs (not a loop in one branch'
+        ' only).'
+    )
+  item[1] = jax.tree.map(jnp.add, item[1], value)
+  item[2].add(spec.ordinal.branch)
 
 
 def _shapes(tree) -> list:
@@ -395,7 +451,7 @@ class Collector:
     self.reduced = Accumulators(
         self.claim,
         self.plain_names.__contains__,
-        lambda s: self.accepts(s.tag, s.reduction, s.kind, s.name),
+        self.accepts_site,
         python_folds,
     )
 
@@ -410,6 +466,11 @@ class Collector:
   ) -> bool:
     return accepts(self.accepts_key, tag, reduction, kind, name)
 
+  def accepts_site(self, s: SowSite) -> bool:
+    """Whether this capture collects the site ``s`` (never an inert sow of
+    a program staged outside any capture: ``primitive.collectible``)."""
+    return s.collectible and self.accepts(s.tag, s.reduction, s.kind, s.name)
+
   def accepted_sites(
       self, jaxprs: tp.Iterable[_jax.Jaxpr | _jax.ClosedJaxpr]
   ) -> list[SowSite]:
@@ -417,14 +478,12 @@ class Collector:
         s
         for j in jaxprs
         for s in sow_sites(as_jaxpr(j))
-        if self.accepts(s.tag, s.reduction, s.kind, s.name)
+        if self.accepts_site(s)
     ]
 
   def has_work(self, jaxprs) -> bool:
     return any(
-        self.accepts(s.tag, s.reduction, s.kind, s.name)
-        for j in jaxprs
-        for s in sow_sites(as_jaxpr(j))
+        self.accepts_site(s) for j in jaxprs for s in sow_sites(as_jaxpr(j))
     )
 
   # -- recording ----------------------------------------------------------
@@ -458,7 +517,7 @@ class Collector:
 
   def on_sow(self, eqn: _jax.JaxprEqn, invals: list[tp.Any]) -> list[tp.Any]:
     p = eqn.params
-    if p['remat_copy'] or not self.accepts(
+    if not collectible(p) or not self.accepts(
         p['tag'], p['reduction'], p['kind'], p['sow_name']
     ):
       return _jax.bind_equation(eqn, invals)
@@ -760,7 +819,7 @@ def edit_plain_sows(
   sown = []
   for eqn in jaxpr.eqns:
     p = eqn.params
-    if eqn.primitive is sow_p and not p['remat_copy']:
+    if eqn.primitive is sow_p and collectible(p):
       if accepts(
           accepts_key, p['tag'], p['reduction'], p['kind'], p['sow_name']
       ):
@@ -775,11 +834,7 @@ def edit_plain_sows(
           entries.append(EntrySpec.of_sow(p, len(operands)))
           sown.extend(operands)
         continue
-    elif any(
-        accepts(accepts_key, s.tag, s.reduction, s.kind, s.name)
-        for sub in _jax.jaxprs_in_params(p)
-        for s in sow_sites(sub)
-    ):
+    elif _accepted_inside(accepts_key, p):
       return None
     if subst and any(
         isinstance(v, _jax.Var) and v in subst for v in eqn.invars
@@ -790,6 +845,15 @@ def edit_plain_sows(
   return Edited(
       _jax.edit_jaxpr(jaxpr, eqns, [*outvars, *sown]),
       Layout(tuple(entries), (), tuple(names)),
+  )
+
+
+def _accepted_inside(accepts_key, params) -> bool:
+  """Whether a sub-jaxpr in ``params`` holds a sow the capture collects."""
+  return any(
+      s.collectible and accepts(accepts_key, s.tag, s.reduction, s.kind, s.name)
+      for sub in _jax.jaxprs_in_params(params)
+      for s in sow_sites(sub)
   )
 
 

@@ -184,6 +184,21 @@ def staging_active() -> bool:
   return bool(_STAGING.value)
 
 
+def collectible(params: dict[str, tp.Any]) -> bool:
+  """Whether a capture may collect the sow equation with ``params``.
+
+  A sow is collectible when it was bound while a capture or ``intervene``
+  staged (``effect``) and is not a remat copy. A program JAX staged before,
+  outside any capture (the linear function of a ``jax.linearize`` or the
+  pullback of a ``jax.vjp`` called outside, a ``jax.make_jaxpr``) holds its
+  sows inert: they may already have been removed by dead-code elimination,
+  and what remains of them is JAX's recomputation of primal values (a
+  ``while_loop`` staged again, a ``checkpoint``'s rematerialised custom
+  call), so a capture that runs such a program collects nothing from it.
+  """
+  return bool(params['effect']) and not params['remat_copy']
+
+
 def staging_captures() -> tuple[tp.Any, ...]:  # PR: loops
   """The ``tags`` keys (``None``: every tag) of the captures staging now."""
   return tuple(k for k in _STAGING.value if not isinstance(k, Intervening))

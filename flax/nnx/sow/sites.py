@@ -211,6 +211,11 @@ class SowSite:
   def where(self) -> str:
     return '' if self.eqn is None else where(self.eqn)
 
+  @property
+  def collectible(self) -> bool:
+    """Staged by a capture, not inert (``primitive.collectible``)."""
+    return self.eqn is None or bool(self.eqn.params['effect'])
+
   def value_avals(self) -> tuple[tp.Any, ...]:
     p = self.eqn.params
     b = p['batch_dims']

@@ -52,6 +52,7 @@ from flax.nnx.sow import collect as capture_lib
 from flax.nnx.sow import sites
 from flax.nnx.sow.primitive import eager_capture  # PR: eager
 from flax.nnx.sow.primitive import eager_captures  # PR: eager
+from flax.nnx.sow.primitive import collectible
 from flax.nnx.sow.primitive import sow_p
 from flax.nnx.sow.primitive import staging
 
@@ -118,7 +119,7 @@ class CaptureTrace(_jax.Trace):
   def process_primitive(self, primitive, args, params, /):
     if primitive is sow_p:
       c = self.collector
-      if not params['remat_copy'] and c.accepts(
+      if collectible(params) and c.accepts(
           params['tag'], params['reduction'], params['kind'], params['sow_name']
       ):
         where_ = _Where(_jax.current_source_info())
@@ -256,7 +257,7 @@ class _EagerCapture:  # PR: eager
 
   def eager_sow(self, params, leaves) -> list[tp.Any] | None:
     c = self.collector
-    if params['remat_copy'] or not c.accepts(
+    if not collectible(params) or not c.accepts(
         params['tag'], params['reduction'], params['kind'], params['sow_name']
     ):
       return None

@@ -277,8 +277,10 @@ def _cond_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
   outs, extra = _bind_cond(eqn, invals, new_branches, leading=acc_in)
   if axes:
     extra = [_jax.pvary(x, tuple(axes)) for x in extra]
-  _add_markers(collector, [layout for _, layout in rewritten])
+  # The names first, in the order of first sow (markers included), then
+  # the markers: a marker claims its name where the forward pass has it.
   collector.absorb(layout, extra)
+  _add_markers(collector, [layout for _, layout in rewritten])
   return outs
 
 

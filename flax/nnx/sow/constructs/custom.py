@@ -43,6 +43,8 @@ from __future__ import annotations
 import functools
 import typing as tp
 
+import jax
+
 
 from flax.nnx.sow import _jax
 from flax.nnx.sow import _jax_patches
@@ -174,10 +176,10 @@ def _custom_jvp_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
     out_primals, out_tangents = _split(out, n_out)
     # The rule ran the body's remaining sows (those this capture does not
     # take); the extra outputs are computed without running them again.
-    extra = _jax.eval_closed(without_staged_sows(new_jaxpr), primals)
-    extra = extra[n_out:]
-    zeros = [_jax.zeros_like_tangent(x) for x in extra]
-    return [*out_primals, *extra, *out_tangents, *zeros]
+    extra, extra_tangents = _extra_outputs(
+        without_staged_sows(new_jaxpr), n_acc, n_out, primals, tangents
+    )
+    return [*out_primals, *extra, *out_tangents, *extra_tangents]
 
   n_in = len(new_jaxpr.in_avals)
   outs = _jax.custom_jvp_call_p.bind(
@@ -190,6 +192,44 @@ def _custom_jvp_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
       symbolic_zeros=p['symbolic_zeros'],
   )
   return collector.split_outputs(layout, outs, n_out)
+
+
+def _extra_outputs(body, n_acc, n_out, primals, tangents):
+  """The extra outputs of the rewritten ``body`` (entries, accumulators)
+  and their tangents.
+
+  What the body sows gets a zero tangent (the custom rule stands for the
+  body), but an accumulator that enters the call (a name folded before it,
+  then in the body) keeps the tangent of what it held: the derivative of the
+  body's folds with respect to the accumulator, the body's own values held
+  fixed.
+  """
+  if not n_acc:
+    extra = _jax.eval_closed(body, primals)[n_out:]
+    return extra, [_jax.zeros_like_tangent(x) for x in extra]
+  args = primals[n_acc:]
+
+  def folds(*acc):
+    return _jax.eval_closed(body, [*acc, *args])[n_out:]
+
+  acc_tangents = [_jax.instantiate_zeros(t) for t in tangents[:n_acc]]
+  extra, extra_tangents = jax.jvp(
+      folds, tuple(primals[:n_acc]), tuple(acc_tangents)
+  )
+  return list(extra), list(extra_tangents)
+
+
+def _accumulator_cotangents(body, n_acc, n_out, saved, extra_cts):
+  """The cotangents of the accumulators entering a ``custom_vjp`` call:
+  the transpose of :func:`_extra_outputs`' accumulator tangents (the body's
+  own values held fixed), at the call's inputs ``saved``."""
+  args = saved[n_acc:]
+
+  def folds(*acc):
+    return _jax.eval_closed(body, [*acc, *args])[n_out:]
+
+  _, pullback = jax.vjp(folds, *saved[:n_acc])
+  return pullback([_jax.instantiate_zeros(ct) for ct in extra_cts])
 
 
 class _Body(tp.NamedTuple):
@@ -359,16 +399,34 @@ def _custom_vjp_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
     extra = _jax.eval_closed(without_staged_sows(new_jaxpr), primals)
     return [*res_and_outs, *extra[n_out:]]
 
+  n_in = len(new_jaxpr.in_avals)
+  # With accumulators entering the call, the call's inputs are residuals
+  # too (forwarded, so JAX stores nothing more), for the accumulators'
+  # cotangents: see _accumulator_cotangents.
+  n_saved = n_in if n_acc else 0
+
   def bwd(*args):
-    cts = orig_bwd.call_wrapped(*args[: len(args) - n_extra])
-    return [*(_jax.Zero(a.to_tangent_aval()) for a in acc_avals), *cts]
+    n_res = p['out_trees']()[1].num_leaves
+    res, saved = args[:n_res], args[n_res : n_res + n_saved]
+    cts = args[n_res + n_saved :]
+    out = orig_bwd.call_wrapped(*res, *cts[: len(cts) - n_extra])
+    if not n_acc:
+      return [*(_jax.Zero(a.to_tangent_aval()) for a in acc_avals), *out]
+    acc_cts = _accumulator_cotangents(
+        without_staged_sows(new_jaxpr), n_acc, n_out, saved,
+        cts[len(cts) - n_extra :],
+    )
+    return [*acc_cts, *out]
 
   def out_trees():
     out_tree, res_tree, input_fwds = p['out_trees']()
     shifted = [None if i is None else i + n_acc for i in input_fwds]
-    return out_tree, res_tree, shifted
+    if not n_saved:
+      return out_tree, res_tree, shifted
+    saved_tree = jax.tree_util.tree_structure([0] * n_saved)
+    res_tree = jax.tree_util.treedef_tuple([res_tree, saved_tree])
+    return out_tree, res_tree, [*shifted, *range(n_saved)]
 
-  n_in = len(new_jaxpr.in_avals)
   outs = _jax.custom_vjp_call_p.bind(
       *acc_in,
       *invals,
@@ -610,9 +668,12 @@ class CollectingVmapRule:
       )
     flags = list(in_batched[self.n_lead :])
     values = list(args[self.n_lead :])
-    closed, box = stage_vmap_rule(
-        self.rule, self.in_tree, self.out_tree, axis_size, flags, values
-    )
+    # Staged as the capture stages (the vmap around it may batch the rule
+    # after the capture returned), so the rule's sows are collectible.
+    with staging(self.accepts_key):
+      closed, box = stage_vmap_rule(
+          self.rule, self.in_tree, self.out_tree, axis_size, flags, values
+      )
     inner = Collector(self.accepts_key)
     outs = eval_collecting(closed.jaxpr, closed.consts, values, inner)
     extra, extra_batched = self._extra_outputs(inner, axis_size)

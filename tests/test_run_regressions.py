@@ -1,0 +1,230 @@
+# Copyright 2026 The Flax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""Faults an independent adversarial run found, each as a kind.
+
+The run generated programs and compared them with its own NumPy interpreter;
+every expected value here is computed by hand (the chain rule written out)
+or by the same program written without ``sow``.
+"""
+
+from __future__ import annotations
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+
+from flax.nnx.sow import capture
+from flax.nnx.sow import perturb
+from flax.nnx.sow import sow
+
+_SUM = dict(reduce_fn=lambda a, v: a + jnp.sum(v), init_fn=lambda: 0.0)
+
+
+def _while_sowing(x):
+  def body(state):
+    i, c = state
+    sow(c, name='r', **_SUM)
+    return i + 1, jnp.sin(c)
+
+  return lax.while_loop(lambda s: s[0] < 2, body, (0, x))[1]
+
+
+@jax.custom_jvp
+def _rule_calls_primal(x):
+  return sow(x, name='a') * 1.0
+
+
+@_rule_calls_primal.defjvp
+def _rule_calls_primal_jvp(primals, tangents):
+  (x,), (t,) = primals, tangents
+  return _rule_calls_primal(x), t  # the usual idiom: the rule calls f
+
+
+@jax.custom_vjp
+def _fwd_calls_primal(x):
+  return sow(x, name='b') * 1.0
+
+
+_fwd_calls_primal.defvjp(
+    lambda x: (_fwd_calls_primal(x), None), lambda _, g: (g,)
+)
+
+
+class MadeOutsideTheCaptureTest(parameterized.TestCase):
+  """A linear function or pullback made before the capture holds its sows
+  inert: applying it under a capture adds no primal entries (SPEC
+  *Invariance*), however often."""
+
+  def test_linearized_while_loop(self):
+    x = jnp.array([0.5, -0.3])
+    lin = jax.linearize(_while_sowing, x)[1]
+    t = jnp.ones(2)
+    out, collected = capture(lin)(t)
+    self.assertEqual(dict(collected), {})
+    # d/dx sin(sin(x)) = cos(sin(x)) cos(x), applied to ones.
+    np.testing.assert_allclose(
+        out, np.cos(np.sin(x)) * np.cos(x), rtol=1e-6
+    )
+    _, twice = capture(lambda t: lin(t) + lin(2.0 * t))(t)
+    self.assertEqual(dict(twice), {})
+    # Inside the capture the forward pass runs there: one fold per step,
+    # x then sin(x).
+    _, inside = capture(lambda x: jax.linearize(_while_sowing, x)[1](t))(x)
+    np.testing.assert_allclose(
+        inside['r'], np.sum(x) + np.sum(np.sin(x)), rtol=1e-6
+    )
+
+  @parameterized.named_parameters(
+      ('custom_jvp', _rule_calls_primal, 'a'),
+      ('custom_vjp', _fwd_calls_primal, 'b'),
+  )
+  def test_checkpoint_around_a_custom_rule_that_calls_the_function(
+      self, fn, name
+  ):
+    g = jax.checkpoint(lambda x: jnp.sin(fn(x)))
+    x = jnp.array([0.2, 0.9])
+    pullback = jax.vjp(g, x)[1]
+    (ct,), collected = capture(pullback)(jnp.ones(2))
+    self.assertEqual(dict(collected), {})
+    np.testing.assert_allclose(ct, np.cos(x), rtol=1e-6)
+    _, twice = capture(lambda c: (pullback(c), pullback(2.0 * c)))(
+        jnp.ones(2)
+    )
+    self.assertEqual(dict(twice), {})
+    # Differentiated inside the capture: the primal sow, once.
+    _, inside = capture(jax.grad(lambda x: g(x).sum()))(x)
+    self.assertLen(inside[name], 1)
+    np.testing.assert_allclose(inside[name][0], x)
+
+
+def _p(x):
+  return perturb(x, name='d')
+
+
+class CotangentOrderAcrossCachedBranchesTest(parameterized.TestCase):
+  """Cotangents of one name come back in perturb-call order also where a
+  batched ``cond``'s branches come from JAX's trace cache (their ordinals
+  were fixed by an earlier trace)."""
+
+  @parameterized.parameters(1.0, 2.0, 5.0)
+  def test_call_order(self, c0):
+    def f(x):
+      y = _p(_p(x))  # calls 1 and 2
+      stacked = jnp.stack([y, -y])
+      z = jax.vmap(lambda r: lax.cond(r.sum() > 0, _p, _p, r))(stacked)
+      return jnp.sum(jnp.array([1.0, 2.0]) * (c0 * z[0] + 3.0 * z[1]))
+
+    x = jnp.array([0.3, 0.4])
+    _, collected = capture(jax.grad(f))(x)
+    # dL/dz0 = c0 [1, 2], dL/dz1 = 3 [1, 2]; z1 = -y, so calls 1 and 2
+    # get dz0 - dz1, call 3 the rows of z.
+    dz0, dz1 = c0 * np.array([1.0, 2.0]), 3.0 * np.array([1.0, 2.0])
+    self.assertEqual(
+        [np.shape(e) for e in collected['d']], [(2,), (2,), (2, 2)]
+    )
+    np.testing.assert_allclose(collected['d'][0], dz0 - dz1)
+    np.testing.assert_allclose(collected['d'][1], dz0 - dz1)
+    np.testing.assert_allclose(collected['d'][2], np.stack([dz0, dz1]))
+
+
+class KeyOrderOfMarkersInCondTest(parameterized.TestCase):
+  """A perturbed name inside a ``cond`` keeps its place among the names
+  (order of first sow as written)."""
+
+  @parameterized.named_parameters(('plain', False), ('in_cond', True))
+  def test_first_sow_first(self, in_cond):
+    def block(x):
+      x = sow(x, name='a')
+      x = perturb(jnp.sin(x), name='d')
+      return sow(x * 2.0, name='b')
+
+    def f(x):
+      if in_cond:
+        return jnp.sum(lax.cond(x.sum() > 0, block, block, x))
+      return jnp.sum(block(x))
+
+    x = jnp.array([0.5, 1.0])
+    grad, collected = capture(jax.grad(f))(x)
+    self.assertEqual(list(collected), ['a', 'd', 'b'])
+    np.testing.assert_allclose(grad, 2.0 * np.cos(x), rtol=1e-6)
+    np.testing.assert_allclose(collected['d'][0], [2.0, 2.0])
+    np.testing.assert_allclose(collected['b'][0], 2.0 * np.sin(x), rtol=1e-6)
+
+
+_TWICE = dict(
+    reduce_fn=lambda a, v: 2.0 * a + jnp.sum(v * v), init_fn=lambda: 0.0
+)
+
+
+@jax.custom_vjp
+def _vjp_folding(x):
+  sow(x, name='r', **_TWICE)
+  return jnp.sin(x)
+
+
+_vjp_folding.defvjp(
+    lambda x: (_vjp_folding(x), jnp.cos(x)), lambda c, g: (g * c,)
+)
+
+
+@jax.custom_jvp
+def _jvp_folding(x):
+  sow(x, name='r', **_TWICE)
+  return jnp.sin(x)
+
+
+_jvp_folding.defjvp(
+    lambda p, t: (_jvp_folding(p[0]), jnp.cos(p[0]) * t[0])
+)
+
+
+class AccumulatorThroughACustomCallTest(parameterized.TestCase):
+  """An accumulator that enters a custom-derivative call keeps the
+  derivative of what it held; only the body's own values have a zero
+  tangent (the custom rule stands for the body)."""
+
+  @parameterized.product(
+      fn=(('custom_vjp', _vjp_folding), ('custom_jvp', _jvp_folding)),
+      jit=(False, True),
+  )
+  def test_gradient_of_the_accumulator(self, fn, jit):
+    _, custom = fn
+
+    def f(x):
+      sow(3.0 * x, name='r', **_TWICE)  # acc = sum(9 x^2)
+      return custom(x)  # acc = 2 acc + sum(x^2), the body's fold
+
+    def loss(x):
+      out, collected = capture(f)(x)
+      return jnp.sum(out) + collected['r']
+
+    x = jnp.array([0.5, -1.0, 2.0])
+    grad = (jax.jit(jax.grad(loss)) if jit else jax.grad(loss))(x)
+    # d/dx [sum sin x + 2 * 9 sum x^2] = cos x + 36 x; the body's fold of
+    # x^2 has a zero tangent.
+    np.testing.assert_allclose(
+        grad, np.cos(x) + 36.0 * np.asarray(x), rtol=1e-5
+    )
+    _, collected = capture(f)(x)
+    np.testing.assert_allclose(
+        collected['r'], 2.0 * 9.0 * np.sum(x * x) + np.sum(x * x), rtol=1e-5
+    )
+
+
+if __name__ == '__main__':
+  absltest.main()

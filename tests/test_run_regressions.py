@@ -226,5 +226,99 @@ class AccumulatorThroughACustomCallTest(parameterized.TestCase):
     )
 
 
+class ReusedBranchesUnderVmapOfGradTest(parameterized.TestCase):
+  """Two batched ``cond`` calls that share their branch functions (one
+  trace), differentiated inside the vmap: cotangents in call order."""
+
+  @parameterized.named_parameters(('eager', False), ('jit', True))
+  def test_call_order(self, jit):
+    tb = lambda x: perturb(x, name='p') * 1.0
+    fb = lambda x: perturb(x, name='p') * 3.0
+
+    def f(x):
+      y = lax.cond(x > 0, tb, fb, x)  # call 1: cotangent 1 or 3
+      z = lax.cond(x < 0, tb, fb, x)  # call 2: cotangent 10 * (1 or 3)
+      return y + 10.0 * z
+
+    g = jax.vmap(jax.grad(f))
+    _, collected = capture(jax.jit(g) if jit else g)(jnp.array([1.0, -1.0]))
+    # x = 1 takes tb then fb; x = -1 takes fb then tb.
+    self.assertLen(collected['p'], 2)
+    np.testing.assert_allclose(collected['p'][0], [1.0, 3.0])
+    np.testing.assert_allclose(collected['p'][1], [30.0, 10.0])
+
+
+@jax.custom_jvp
+def _cube_sowing(x):
+  sow(x * x * x, name='s')
+  return jnp.sin(x)
+
+
+_cube_sowing.defjvp(lambda p, t: (_cube_sowing(p[0]), jnp.cos(p[0]) * t[0]))
+
+
+def _product(a, v):
+  return a * jnp.sum(v)
+
+
+@jax.custom_jvp
+def _folding_sin(x):
+  sow(3.0 * jnp.sin(x), name='acc', reduce_fn=_product, init_fn=lambda: 1.0)
+  return jnp.cos(x)
+
+
+_folding_sin.defjvp(lambda p, t: (_folding_sin(p[0]), -jnp.sin(p[0]) * t[0]))
+
+
+@jax.custom_vjp
+def _vjp_sin_sowing(x):
+  sow(3.0 * jnp.sin(x), name='s')
+  return jnp.cos(x)
+
+
+_vjp_sin_sowing.defvjp(
+    lambda x: (_vjp_sin_sowing(x), x), lambda r, g: (-jnp.sin(r) * g,)
+)
+
+
+class SecondOrderThroughACustomBodyTest(absltest.TestCase):
+  """The body's sown values are constants at every order of
+  differentiation, not only the first."""
+
+  def test_plain_value(self):
+    s = lambda x: capture(_cube_sowing)(x)[1]['s'][0]
+    # d/dx [x s(x)] = s + x ds/dx = s, and ds/dx = 0: the second derivative
+    # is 0.
+    x = jnp.float32(0.5)
+    self.assertEqual(float(jax.grad(s)(x)), 0.0)
+    self.assertEqual(float(jax.grad(jax.grad(lambda x: x * s(x)))(x)), 0.0)
+
+  def test_hessian_of_an_accumulator(self):
+    def f(x):
+      sow(x * x, name='acc', reduce_fn=_product, init_fn=lambda: 1.0)
+      return _folding_sin(x).sum()
+
+    acc = lambda x: capture(f)(x)[1]['acc']
+    x = jnp.array([0.5, -1.2])
+    # acc = sum(x^2) * c with c = sum(3 sin x) held fixed: the hessian is
+    # 2 c I.
+    c = np.sum(3.0 * np.sin(np.asarray(x)))
+    np.testing.assert_allclose(
+        acc(x), np.sum(np.asarray(x) ** 2) * c, rtol=1e-5
+    )
+    np.testing.assert_allclose(
+        jax.hessian(acc)(x), 2.0 * c * np.eye(2), rtol=1e-5, atol=1e-6
+    )
+
+  def test_custom_vjp_reverse_over_reverse(self):
+    s = lambda x: capture(lambda x: _vjp_sin_sowing(x).sum())(x)[1]['s'][0]
+    q = lambda x: jnp.sum(x * x) * jnp.sum(s(x))
+    x = jnp.array([0.5, -1.2])
+    c = np.sum(3.0 * np.sin(np.asarray(x)))
+    np.testing.assert_allclose(
+        jax.jacrev(jax.jacrev(q))(x), 2.0 * c * np.eye(2), rtol=1e-5, atol=1e-6
+    )
+
+
 if __name__ == '__main__':
   absltest.main()

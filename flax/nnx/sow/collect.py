@@ -127,6 +127,10 @@ class BranchOrdinal(tp.NamedTuple):
   branch: tp.Hashable
   members: int | None = None  # how many branches perturb (None: unknown)
   problem: tuple[type, str] | None = None
+  # The ordinals of the members' own perturbs: a cotangent sown after the
+  # cond from the branches (under a vmap around the differentiation) has
+  # one of them.
+  ordinals: tuple[int, ...] = ()
 
 
 class EntrySpec(tp.NamedTuple):
@@ -271,30 +275,30 @@ def _matched_to_markers(markers, cotangents) -> list[tp.Any] | None:
   return out
 
 
-def _key(ordinal) -> tp.Hashable:
-  """What matches a cotangent to its marker: the ordinal, or for the
-  branches of a batched ``cond`` the ordinal they share."""
+def _key(ordinal) -> int:
+  """The ordinal a cotangent is matched by (for the branches of a batched
+  ``cond``, the one they share)."""
   if isinstance(ordinal, BranchOrdinal):
-    return ('branches', ordinal.ordinal)
+    return ordinal.ordinal
   return ordinal
 
 
-def _marker_keys(markers) -> list[tp.Hashable]:
-  """One key per perturb call in the forward pass: the markers of the
-  branches of one batched ``cond`` (one per branch, between two plain
-  markers) are one call."""
+def _marker_keys(markers) -> list[frozenset]:
+  """Per perturb call of the forward pass, the ordinals its cotangents may
+  have: the markers of the branches of one batched ``cond`` (one per
+  branch, between two plain markers) are one call."""
   keys, open_ = [], {}
   for m in markers:
-    if not isinstance(m.ordinal, BranchOrdinal):
+    o = m.ordinal
+    if not isinstance(o, BranchOrdinal):
       open_.clear()
-      keys.append(m.ordinal)
+      keys.append(frozenset([o]))
       continue
-    key, branch = _key(m.ordinal), m.ordinal.branch
-    if key in open_ and branch not in open_[key]:
-      open_[key].add(branch)
+    if o.ordinal in open_ and o.branch not in open_[o.ordinal]:
+      open_[o.ordinal].add(o.branch)
     else:
-      open_[key] = {branch}
-      keys.append(key)
+      open_[o.ordinal] = {o.branch}
+      keys.append(frozenset([o.ordinal, *o.ordinals]))
   return keys
 
 
@@ -307,9 +311,9 @@ def _backward_passes(reverse, cotangents) -> list[dict] | None:
     if passes and _added_to_slot(passes[-1], reverse, spec, value):
       continue
     key = _key(spec.ordinal)
-    j = _next_index(reverse, key, pos)
+    j = _next_slot(reverse, key, pos)
     if j is None:  # a new backward pass
-      j = _next_index(reverse, key, 0)
+      j = _next_slot(reverse, key, 0)
       if j is None:
         return None
       passes.append({})
@@ -328,7 +332,11 @@ def _added_to_slot(slots: dict, reverse, spec, value) -> bool:
   if not isinstance(ordinal, BranchOrdinal):
     return False
   for j, (first, total, branches) in slots.items():
-    if reverse[j] == _key(ordinal) and ordinal.branch not in branches:
+    if (
+        _key(ordinal) in reverse[j]
+        and branches is not None
+        and ordinal.branch not in branches
+    ):
       item = [None, total, branches]
       _add_branch(item, spec, value)
       slots[j] = (first, item[1], branches)
@@ -351,6 +359,12 @@ def _shared_trace_error(name, calls: int) -> ValueError:
 
 def _next_index(seq, value, start: int) -> int | None:
   return next((k for k in range(start, len(seq)) if seq[k] == value), None)
+
+
+def _next_slot(keys, ordinal, start: int) -> int | None:
+  """The first marker at or after ``start`` whose ordinals hold
+  ``ordinal``."""
+  return next((k for k in range(start, len(keys)) if ordinal in keys[k]), None)
 
 
 def _by_ordinals(items: list[tuple[EntrySpec, tp.Any]]) -> list[tp.Any]:

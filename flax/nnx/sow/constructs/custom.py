@@ -204,10 +204,12 @@ def _extra_outputs(body, n_acc, n_out, primals, tangents):
   body's folds with respect to the accumulator, the body's own values held
   fixed.
   """
+  # The body's values are constants at every order of differentiation
+  # (a derivative of this rule, as in jax.hessian, must not see them vary).
+  args = [jax.lax.stop_gradient(x) for x in primals[n_acc:]]
   if not n_acc:
-    extra = _jax.eval_closed(body, primals)[n_out:]
+    extra = _jax.eval_closed(body, args)[n_out:]
     return extra, [_jax.zeros_like_tangent(x) for x in extra]
-  args = primals[n_acc:]
 
   def folds(*acc):
     return _jax.eval_closed(body, [*acc, *args])[n_out:]
@@ -223,7 +225,7 @@ def _accumulator_cotangents(body, n_acc, n_out, saved, extra_cts):
   """The cotangents of the accumulators entering a ``custom_vjp`` call:
   the transpose of :func:`_extra_outputs`' accumulator tangents (the body's
   own values held fixed), at the call's inputs ``saved``."""
-  args = saved[n_acc:]
+  args = [jax.lax.stop_gradient(x) for x in saved[n_acc:]]
 
   def folds(*acc):
     return _jax.eval_closed(body, [*acc, *args])[n_out:]
@@ -395,7 +397,7 @@ def _custom_vjp_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
     res_and_outs = _without_repeated_sows(
         accepts_key, layout, orig_fwd, args[2 * n_acc :], 'custom_vjp forward'
     )
-    primals = args[::2]
+    primals = [jax.lax.stop_gradient(x) for x in args[::2]]
     extra = _jax.eval_closed(without_staged_sows(new_jaxpr), primals)
     return [*res_and_outs, *extra[n_out:]]
 

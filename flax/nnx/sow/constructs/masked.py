@@ -125,7 +125,7 @@ def masked_branches(branches, index_aval) -> tuple | None:
 
 
 def _perturb_groups(branches) -> dict:
-  """``{(name, k): (ordinal, members, problem)}`` for the ``k``-th perturb
+  """``{(name, k): (ordinals, members, problem)}`` for the ``k``-th perturb
   of each name in the branches (in ``sow_sites`` order)."""
   per_branch = []
   for closed in branches:
@@ -143,9 +143,9 @@ def _perturb_groups(branches) -> dict:
           for b, by_name in enumerate(per_branch)
           if counts[b] > k
       ]
-      ordinal = min(_base(s.eqn.params['ordinal']) for _, s in members)
+      ordinals = sorted({_base(s.eqn.params['ordinal']) for _, s in members})
       problem = _mismatch(name, counts, members)
-      groups[name, k] = (ordinal, len(members), problem)
+      groups[name, k] = (tuple(ordinals), len(members), problem)
   return groups
 
 
@@ -198,14 +198,19 @@ class _Ordinals:
 
   def next(self, params: dict, problem=None) -> BranchOrdinal:
     name = params['sow_name']
-    ordinal, members, group_problem = self.groups[name, self.seen[name]]
+    ordinals, members, group_problem = self.groups[name, self.seen[name]]
     self.seen[name] += 1
     old, branch = params['ordinal'], self.branch
     if isinstance(old, BranchOrdinal):  # in a cond in a batched cond
       branch, members = (old.branch, branch), None
       problem = problem or old.problem
+      ordinals = tuple(sorted({*ordinals, *old.ordinals}))
     return BranchOrdinal(
-        ordinal, branch, members=members, problem=problem or group_problem
+        ordinals[0],
+        branch,
+        members=members,
+        problem=problem or group_problem,
+        ordinals=ordinals,
     )
 
 

@@ -415,6 +415,14 @@ def stage_and_collect(
   return toplevel.trace_and_collect(f, accepts_key, args, kwargs)
 
 
+def _live(params: dict, in_custom_call: bool) -> dict | None:
+  del in_custom_call
+  inert = not params['effect'] and not params['remat_copy']
+  if inert and params['kind'] not in primitive_lib.DERIVATIVE_KINDS:
+    return dict(params, effect=True)
+  return None
+
+
 def rewrite_program(
     closed: _jax.ClosedJaxpr,
     tags: tp.Iterable[tp.Hashable] | None = None,
@@ -424,7 +432,9 @@ def rewrite_program(
   """``closed`` re-staged by a capture: its outputs, then every leaf of the
   collected values (in the order of ``capture``'s ``collected``).
 
-  Used by the benchmarks to time a capture's own pass over a program:
+  ``closed`` may come from ``jax.make_jaxpr`` outside any capture: its sows
+  are collected as if a capture had staged it. Used by the benchmarks to
+  time a capture's own pass over a program:
   ``top_level=True`` binds every equation through the capture's top-level
   trace, as ``capture(f)`` does while ``f`` runs (``toplevel.py``);
   ``top_level=False`` evaluates the jaxpr with the interpreter that rules
@@ -432,6 +442,12 @@ def rewrite_program(
   """
   accepts_key = None if tags is None else frozenset(tags)
   _jax_patches.install()  # as the first capture does (``staging``)
+  # ``closed`` was staged as a capture would stage it only if a capture was
+  # staging; a program staged outside one holds inert sows
+  # (``primitive.collectible``), which this re-staging makes live again.
+  closed = _jax.ClosedJaxpr(
+      sites.edit_sows_in_jaxpr(closed.jaxpr, _live, False), closed.consts
+  )
 
   def replay(*args):
     return _jax.eval_jaxpr(closed.jaxpr, closed.consts, *args)

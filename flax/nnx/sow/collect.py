@@ -303,8 +303,8 @@ def _marker_keys(markers) -> list[frozenset]:
 
 
 def _backward_passes(reverse, cotangents) -> list[dict] | None:
-  """Per backward pass, ``{marker index in reverse: (spec, value,
-  branches)}``; ``None`` for a cotangent no marker has."""
+  """Per backward pass, ``{marker index in reverse: [spec, value,
+  branches]}``; ``None`` for a cotangent no marker has."""
   passes: list[dict] = []
   pos = len(reverse)
   for spec, value in cotangents:
@@ -320,7 +320,7 @@ def _backward_passes(reverse, cotangents) -> list[dict] | None:
     branches = None
     if isinstance(spec.ordinal, BranchOrdinal):
       branches = {spec.ordinal.branch}
-    passes[-1][j] = (spec, value, branches)
+    passes[-1][j] = [spec, value, branches]
     pos = j + 1
   return passes
 
@@ -331,15 +331,14 @@ def _added_to_slot(slots: dict, reverse, spec, value) -> bool:
   ordinal = spec.ordinal
   if not isinstance(ordinal, BranchOrdinal):
     return False
-  for j, (first, total, branches) in slots.items():
+  for j, slot in slots.items():
+    branches = slot[2]
     if (
         _key(ordinal) in reverse[j]
         and branches is not None
         and ordinal.branch not in branches
     ):
-      item = [None, total, branches]
-      _add_branch(item, spec, value)
-      slots[j] = (first, item[1], branches)
+      _add_branch(slot, spec, value)
       return True
   return False
 
@@ -355,10 +354,6 @@ def _shared_trace_error(name, calls: int) -> ValueError:
       ' own names (e.g. name=(name, i)), or perturb only values that are'
       ' differentiated.'
   )
-
-
-def _next_index(seq, value, start: int) -> int | None:
-  return next((k for k in range(start, len(seq)) if seq[k] == value), None)
 
 
 def _next_slot(keys, ordinal, start: int) -> int | None:
@@ -480,6 +475,12 @@ class Collector:
   ) -> bool:
     return accepts(self.accepts_key, tag, reduction, kind, name)
 
+  def takes(self, params: dict[str, tp.Any]) -> bool:
+    """Whether this capture collects the sow equation with ``params``."""
+    return collectible(params) and self.accepts(
+        params['tag'], params['reduction'], params['kind'], params['sow_name']
+    )
+
   def accepts_site(self, s: SowSite) -> bool:
     """Whether this capture collects the site ``s`` (never an inert sow of
     a program staged outside any capture: ``primitive.collectible``)."""
@@ -530,12 +531,9 @@ class Collector:
     self.entries.append((spec, list(leaves)))
 
   def on_sow(self, eqn: _jax.JaxprEqn, invals: list[tp.Any]) -> list[tp.Any]:
-    p = eqn.params
-    if not collectible(p) or not self.accepts(
-        p['tag'], p['reduction'], p['kind'], p['sow_name']
-    ):
+    if not self.takes(eqn.params):
       return _jax.bind_equation(eqn, invals)
-    return self.sow(p, invals, where(eqn))
+    return self.sow(eqn.params, invals, where(eqn))
 
   def sow(self, p: dict[str, tp.Any], invals: list[tp.Any], where_) -> list:
     """Records one accepted sow with parameters ``p``; returns its value.

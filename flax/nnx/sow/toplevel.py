@@ -52,7 +52,6 @@ from flax.nnx.sow import collect as capture_lib
 from flax.nnx.sow import sites
 from flax.nnx.sow.primitive import eager_capture  # PR: eager
 from flax.nnx.sow.primitive import eager_captures  # PR: eager
-from flax.nnx.sow.primitive import collectible
 from flax.nnx.sow.primitive import sow_p
 from flax.nnx.sow.primitive import staging
 
@@ -118,13 +117,10 @@ class CaptureTrace(_jax.Trace):
 
   def process_primitive(self, primitive, args, params, /):
     if primitive is sow_p:
-      c = self.collector
-      if collectible(params) and c.accepts(
-          params['tag'], params['reduction'], params['kind'], params['sow_name']
-      ):
+      if self.collector.takes(params):
         where_ = _Where(_jax.current_source_info())
         with _jax.set_current_trace(self.parent):
-          return c.sow(params, list(args), where_)
+          return self.collector.sow(params, list(args), where_)
     elif (
         jaxprs := [params['jaxpr']]
         if primitive is _jax.jit_p  # most calls: jax.numpy's jitted functions
@@ -257,9 +253,7 @@ class _EagerCapture:  # PR: eager
 
   def eager_sow(self, params, leaves) -> list[tp.Any] | None:
     c = self.collector
-    if not collectible(params) or not c.accepts(
-        params['tag'], params['reduction'], params['kind'], params['sow_name']
-    ):
+    if not c.takes(params):
       return None
     return c.sow(params, list(leaves), _Where(_jax.current_source_info()))
 

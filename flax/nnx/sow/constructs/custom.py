@@ -160,6 +160,10 @@ def _custom_jvp_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
   n_acc, n_out = len(acc_in), len(eqn.outvars)
   _, orig_jvp = eqn.primitive.get_bind_params(p)['subfuns']
   accepts_key = collector.accepts_key
+  # The rule runs the body's remaining sows (those this capture does not
+  # take); the extra outputs are computed without running them again (made
+  # once, when the call is first differentiated).
+  plain = functools.cache(lambda: without_staged_sows(new_jaxpr))
 
   def fun(*args):
     return _jax.eval_closed(new_jaxpr, args)
@@ -174,10 +178,8 @@ def _custom_jvp_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
         'custom_jvp rule',
     )
     out_primals, out_tangents = _split(out, n_out)
-    # The rule ran the body's remaining sows (those this capture does not
-    # take); the extra outputs are computed without running them again.
     extra, extra_tangents = _extra_outputs(
-        without_staged_sows(new_jaxpr), n_acc, n_out, primals, tangents
+        plain(), n_acc, n_out, primals, tangents
     )
     return [*out_primals, *extra, *out_tangents, *extra_tangents]
 
@@ -194,6 +196,18 @@ def _custom_jvp_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
   return collector.split_outputs(layout, outs, n_out)
 
 
+def _folds(body, n_acc, n_out, inputs) -> tp.Callable[..., list]:
+  """``acc -> body``'s extra outputs (entries, accumulators) at the call's
+  ``inputs``, as a function of the ``n_acc`` accumulators entering it.
+
+  The body's own values are constants at every order of differentiation
+  (the custom rule stands for the body; a derivative of the rule, as in
+  ``jax.hessian``, must not see them vary).
+  """
+  args = [jax.lax.stop_gradient(x) for x in inputs[n_acc:]]
+  return lambda *acc: _jax.eval_closed(body, [*acc, *args])[n_out:]
+
+
 def _extra_outputs(body, n_acc, n_out, primals, tangents):
   """The extra outputs of the rewritten ``body`` (entries, accumulators)
   and their tangents.
@@ -204,16 +218,10 @@ def _extra_outputs(body, n_acc, n_out, primals, tangents):
   body's folds with respect to the accumulator, the body's own values held
   fixed.
   """
-  # The body's values are constants at every order of differentiation
-  # (a derivative of this rule, as in jax.hessian, must not see them vary).
-  args = [jax.lax.stop_gradient(x) for x in primals[n_acc:]]
+  folds = _folds(body, n_acc, n_out, primals)
   if not n_acc:
-    extra = _jax.eval_closed(body, args)[n_out:]
+    extra = folds()
     return extra, [_jax.zeros_like_tangent(x) for x in extra]
-
-  def folds(*acc):
-    return _jax.eval_closed(body, [*acc, *args])[n_out:]
-
   acc_tangents = [_jax.instantiate_zeros(t) for t in tangents[:n_acc]]
   extra, extra_tangents = jax.jvp(
       folds, tuple(primals[:n_acc]), tuple(acc_tangents)
@@ -225,12 +233,7 @@ def _accumulator_cotangents(body, n_acc, n_out, saved, extra_cts):
   """The cotangents of the accumulators entering a ``custom_vjp`` call:
   the transpose of :func:`_extra_outputs`' accumulator tangents (the body's
   own values held fixed), at the call's inputs ``saved``."""
-  args = [jax.lax.stop_gradient(x) for x in saved[n_acc:]]
-
-  def folds(*acc):
-    return _jax.eval_closed(body, [*acc, *args])[n_out:]
-
-  _, pullback = jax.vjp(folds, *saved[:n_acc])
+  _, pullback = jax.vjp(_folds(body, n_acc, n_out, saved), *saved[:n_acc])
   return pullback([_jax.instantiate_zeros(ct) for ct in extra_cts])
 
 
@@ -389,6 +392,7 @@ def _custom_vjp_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
   n_acc, n_out, n_extra = len(acc_in), len(eqn.outvars), layout.num_extra
   _, orig_fwd, orig_bwd = eqn.primitive.get_bind_params(p)['subfuns']
   accepts_key = collector.accepts_key
+  plain = functools.cache(lambda: without_staged_sows(new_jaxpr))  # as in jvp
 
   def fun(*args):
     return _jax.eval_closed(new_jaxpr, args)
@@ -397,9 +401,8 @@ def _custom_vjp_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
     res_and_outs = _without_repeated_sows(
         accepts_key, layout, orig_fwd, args[2 * n_acc :], 'custom_vjp forward'
     )
-    primals = [jax.lax.stop_gradient(x) for x in args[::2]]
-    extra = _jax.eval_closed(without_staged_sows(new_jaxpr), primals)
-    return [*res_and_outs, *extra[n_out:]]
+    # The backward rule gives the accumulators their cotangents.
+    return [*res_and_outs, *_folds(plain(), 0, n_out, args[::2])()]
 
   n_in = len(new_jaxpr.in_avals)
   # With accumulators entering the call, the call's inputs are residuals
@@ -415,8 +418,7 @@ def _custom_vjp_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
     if not n_acc:
       return [*(_jax.Zero(a.to_tangent_aval()) for a in acc_avals), *out]
     acc_cts = _accumulator_cotangents(
-        without_staged_sows(new_jaxpr), n_acc, n_out, saved,
-        cts[len(cts) - n_extra :],
+        plain(), n_acc, n_out, saved, cts[len(cts) - n_extra :]
     )
     return [*acc_cts, *out]
 

@@ -708,8 +708,14 @@ class PerturbTest(absltest.TestCase):
       sow(tangents[0], name='tangent')
       return jnp.sin(primals[0]), jnp.cos(primals[0]) * tangents[0]
 
-    grad, _ = capture(jax.grad(h))(1.0)
-    assert_close(grad, np.cos(1.0))
+    # Outside a capture the sow is the identity on the tangent.
+    assert_close(jax.grad(h)(1.0), np.cos(1.0))
+    # Inside one it would be collected under jax.jvp, once per application
+    # of a jax.linearize's linear function, and never under jax.grad: a sow
+    # collects primal values, so the capture refuses it under each.
+    for derivative in (jax.grad, lambda f: lambda x: jax.jvp(f, (x,), (x,))):
+      with self.assertRaisesRegex(ValueError, "sow 'tangent'.*tangents"):
+        capture(derivative(h))(1.0)
 
   def test_capture_grad(self):
     _, dw, dh = perturb_expected(self.w, self.x)

@@ -206,7 +206,7 @@ class LazyInstallTest(absltest.TestCase):
     report = self.reports['import']
     self.assertTrue(report['installed_after_capture'])
     self.assertEqual(report['collected'], [2.0, 2.0])
-    self.assertEqual(report['inventory'], 20)  # a new patch is a deliberate change
+    self.assertEqual(report['inventory'], 21)  # a new patch is a deliberate change
     self.assertEqual(report['targets_not_installed'], [])
     self.assertEqual(report['replaced_outside_inventory'], [])
     self.assertGreater(report['replaced_by_capture'], 0)

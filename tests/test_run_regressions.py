@@ -321,6 +321,121 @@ class SecondOrderThroughACustomBodyTest(absltest.TestCase):
     )
 
 
+@jax.custom_batching.custom_vmap
+def _tanh_vmap_sowing(x):
+  return jnp.tanh(sow(2.0 * x, name='pre'))
+
+
+@_tanh_vmap_sowing.def_vmap
+def _tanh_vmap_sowing_rule(axis_size, in_batched, xs):
+  del axis_size
+  return jnp.tanh(sow(2.0 * xs, name='pre')), in_batched[0]
+
+
+@jax.custom_batching.custom_vmap
+def _sum_vmap_sowing(x):
+  return 2.0 * x + sow(x, name='tot', **_SUM)
+
+
+@_sum_vmap_sowing.def_vmap
+def _sum_vmap_sowing_rule(axis_size, in_batched, xs):
+  del axis_size
+  return 2.0 * xs + sow(xs, name='tot', **_SUM), in_batched[0]
+
+
+class CustomVmapRuleUnderJvpTest(parameterized.TestCase):
+  """JAX's JVP of a ``custom_vmap`` call runs the vmap rule under a vmap of
+  its own that maps nothing here (every primal and tangent is batched): the
+  rule's sows are what it sows, not broadcast over that vmap."""
+
+  xs = jnp.array([0.5, -1.0])
+
+  def _jvp(self, f):
+    return lambda x: jax.jvp(f, (x,), (x,))
+
+  @parameterized.named_parameters(
+      ('vmap_inside', lambda f: capture(jax.vmap(f))),
+      ('jit_vmap_inside', lambda f: capture(jax.jit(jax.vmap(f)))),
+      ('vmap_around', lambda f: jax.vmap(capture(f))),
+  )
+  def test_plain_sow(self, arrange):
+    (y, dy), got = arrange(self._jvp(_tanh_vmap_sowing))(self.xs)
+    x = np.asarray(self.xs)
+    np.testing.assert_allclose(y, np.tanh(2 * x), rtol=1e-6)
+    np.testing.assert_allclose(dy, 2 * x / np.cosh(2 * x) ** 2, rtol=1e-5)
+    (pre,) = got['pre']
+    self.assertEqual(pre.shape, (2,))  # one per example, not (2, 2)
+    np.testing.assert_allclose(pre, 2 * x, rtol=1e-6)
+
+  def test_second_order(self):
+    f = self._jvp(lambda y: self._jvp(_tanh_vmap_sowing)(y)[1])
+    _, got = capture(jax.vmap(f))(self.xs)
+    np.testing.assert_allclose(got['pre'][0], 2 * np.asarray(self.xs))
+
+  def test_reduced_sow_folds_once(self):
+    _, got = capture(jax.vmap(self._jvp(_sum_vmap_sowing)))(self.xs)
+    # the rule folds sum(xs) = -0.5 once, as the call without jvp does
+    _, plain = capture(jax.vmap(_sum_vmap_sowing))(self.xs)
+    self.assertAlmostEqual(float(plain['tot']), -0.5)
+    self.assertAlmostEqual(float(got['tot']), -0.5)
+
+
+@jax.custom_jvp
+def _sin_sowing_tangent(x):
+  return jnp.sin(x)
+
+
+@_sin_sowing_tangent.defjvp
+def _sin_sowing_tangent_jvp(primals, tangents):
+  (x,), (t,) = primals, tangents
+  return _sin_sowing_tangent(x), sow(t, name='t') * jnp.cos(x)
+
+
+@jax.custom_jvp
+def _sin_rule_sowing_primal(x):
+  return jnp.sin(x)
+
+
+@_sin_rule_sowing_primal.defjvp
+def _sin_rule_sowing_primal_jvp(primals, tangents):
+  (x,), (t,) = primals, tangents
+  return _sin_rule_sowing_primal(x), sow(jnp.cos(x), name='c') * t
+
+
+class SowOfATangentInACustomJvpRuleTest(parameterized.TestCase):
+  """A sow collects primal values: one of a tangent in a ``custom_jvp`` rule
+  (collected once under jvp, per application under linearize, never under
+  grad) is refused under every derivative; a sow of a primal value in the
+  rule is collected once under each."""
+
+  derivatives = (
+      ('jvp', lambda f: lambda x: jax.jvp(f, (x,), (2 * x,))[1]),
+      ('grad', jax.grad),
+      ('jit_grad', lambda f: jax.jit(jax.grad(f))),
+      ('linearize', lambda f: lambda x: jax.linearize(f, x)[1](x)),
+      ('vjp', lambda f: lambda x: jax.vjp(f, x)[1](1.0)[0]),
+  )
+
+  @parameterized.named_parameters(*derivatives)
+  def test_tangent_sow_raises(self, d):
+    with self.assertRaisesRegex(ValueError, "sow 't'.*custom_jvp.*tangents"):
+      capture(d(_sin_sowing_tangent))(jnp.float32(0.3))
+
+  @parameterized.named_parameters(*derivatives)
+  def test_primal_sow_in_the_rule(self, d):
+    x = jnp.float32(0.3)
+    _, got = capture(d(_sin_rule_sowing_primal))(x)
+    self.assertEqual(list(got), ['c'])
+    self.assertLen(got['c'], 1)
+    np.testing.assert_allclose(got['c'][0], np.cos(0.3), rtol=1e-6)
+
+  def test_undifferentiated(self):
+    # the rule does not run: nothing to refuse, nothing collected
+    out, got = capture(_sin_sowing_tangent)(jnp.float32(0.3))
+    np.testing.assert_allclose(out, np.sin(0.3), rtol=1e-6)
+    self.assertEqual(dict(got), {})
+
+
 class RewriteProgramTest(parameterized.TestCase):
   """``rewrite_program`` (what the benchmarks time) collects the sows of a
   program staged outside any capture, whose sows are otherwise inert."""

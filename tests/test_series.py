@@ -72,7 +72,6 @@ REPRESENTATIVE = {
     'custom': [
         'tests/test_core.py::CustomRuleTest',
         'tests/test_toplevel.py::EagerConstructsTest',
-        'tests/test_linear_solve.py::CaptureTest',
     ],
     'nnx': [
         'tests/test_nnx_shims.py::ShimTest',
@@ -80,6 +79,9 @@ REPRESENTATIVE = {
     'shard_map': [
         'tests/test_sharding.py::DataParallelTest',
         'tests/test_sharding.py::PerDeviceControlFlowTest',
+    ],
+    'linear_solve': [
+        'tests/test_linear_solve.py::CaptureTest',
     ],
 }
 
@@ -96,6 +98,11 @@ CONSTRUCTS = {
         'primitive `custom_jvp_call` has no capture rule',
         'f = jax.custom_jvp(lambda x: sow(x, name="late") * 2.0)\n'
         'f.defjvp(lambda p, t: (f(*p), 2.0 * t[0]))',
+    ),
+    'linear_solve': (
+        'primitive `custom_linear_solve` has no capture rule',
+        'f = lambda x: jax.lax.custom_linear_solve(\n'
+        '    lambda v: 2.0 * v, x, lambda mv, b: sow(b, name="late") / 2.0)',
     ),
     'shard_map': (
         'primitive `shard_map` has no capture rule',

@@ -114,7 +114,7 @@ remat_opt_p = custom_derivatives.remat_opt_p
 custom_vmap_p = custom_batching.custom_vmap_p  # PR: custom
 shard_map_p = shard_map_lib.shard_map_p  # PR: shard_map
 shard_aval = core.shard_aval  # PR: shard_map
-linear_solve_p = lax_control_flow.linear_solve_p
+linear_solve_p = lax_control_flow.linear_solve_p  # PR: linear_solve
 
 typeof = core.typeof
 
@@ -315,6 +315,36 @@ def reset_stores(fun: lu.WrappedFun) -> None:
   """Forgets the auxiliary outputs calling ``fun`` wrote."""
   for s in _stores(fun):
     s.reset()
+
+
+@contextlib.contextmanager
+def stores_set_aside(fun: lu.WrappedFun):  # PR: custom
+  """Empties ``fun``'s auxiliary outputs while the block runs (so that it
+  can be called again) and puts back what they held."""
+  stores = _stores(fun)
+  held = [s._val for s in stores]  # pylint: disable=protected-access
+  for s in stores:
+    s.reset()
+  try:
+    yield
+  finally:
+    for s, v in zip(stores, held):
+      s._val = v  # pylint: disable=protected-access
+
+
+def wrapped_like(fn: tp.Callable, fun: lu.WrappedFun) -> lu.WrappedFun:  # PR: custom
+  """``fn`` as a ``lu.WrappedFun`` with ``fun``'s debug information."""
+  return lu.wrap_init(fn, debug_info=fun.debug_info)
+
+
+def tangent_dependent_part(  # PR: custom
+    closed: ClosedJaxpr, n_primals: int
+) -> Jaxpr:
+  """The equations of ``closed`` (primals, then tangents) that read a
+  tangent, as JAX's partial evaluation splits them off."""
+  unknowns = [False] * n_primals + [True] * (len(closed.in_avals) - n_primals)
+  _, unknown, _, _ = pe.partial_eval_jaxpr_nounits(closed, unknowns, False)
+  return unknown.jaxpr
 
 
 def trace_to_closed_jaxpr(
@@ -560,6 +590,19 @@ def primal_of(trace, x) -> tp.Any:  # PR: custom
 def has_tangent(trace, x) -> bool:  # PR: custom
   """Whether ``x`` has a non-zero (symbolic or not) tangent under ``trace``."""
   return type(trace.to_primal_tangent_pair(x)[1]) is not Zero
+
+
+def enclosing_batch_axis(axis_size: int) -> tp.Any:  # PR: custom
+  """The ``AxisData`` of the innermost ``jax.vmap`` around the current trace.
+
+  Raises:
+    AssertionError: no vmap of ``axis_size`` encloses the current trace.
+  """
+  trace = trace_ctx.trace
+  while trace is not None and not isinstance(trace, batching.BatchTrace):
+    trace = getattr(trace, 'parent_trace', None)
+  assert trace is not None and trace.axis_data.size == axis_size, trace
+  return trace.axis_data
 
 
 def wrap_rule(  # PR: partial_eval

@@ -419,6 +419,17 @@ INVENTORY: tuple[Patch, ...] = (
         _wrap_attribute(_jax.batching.BatchTrace, 'process_shard_map'),
     ),
     Patch(  # PR: custom
+        'custom_vmap_jvp',
+        'ad.primitive_jvps[custom_vmap_p]',
+        'constructs/custom.py',
+        "The JVP runs the vmap rule under a vmap of its own that maps only"
+        " arguments whose primal or tangent alone is batched; the rule's"
+        ' sows must not be broadcast over it.',
+        'A way for a rule to tell an internal vmap from a user\'s (or the'
+        " rule's batching flags passed to the sows it runs).",
+        _wrap_rule(_jax.primitive_jvps, _jax.custom_vmap_p),
+    ),
+    Patch(  # PR: linear_solve
         'linear_solve_jvp',
         'ad.primitive_jvps[linear_solve_p]',
         'constructs/linear_solve.py',
@@ -428,7 +439,7 @@ INVENTORY: tuple[Patch, ...] = (
         ' recomputations (or a per-effect hook in that rule).',
         _wrap_rule(_jax.primitive_jvps, _jax.linear_solve_p),
     ),
-    Patch(  # PR: custom
+    Patch(  # PR: linear_solve
         'linear_solve_bind',
         'linear_solve_p.bind_with_trace',
         'constructs/linear_solve.py',

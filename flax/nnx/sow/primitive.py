@@ -328,6 +328,21 @@ def replacing(params: dict[str, tp.Any]) -> Intervening | None:
   return None
 
 
+class _Bound(threading.local):  # PR: custom
+  """How many sows this thread has bound (see ``sows_bound``)."""
+
+  count: int = 0
+
+
+_BOUND = _Bound()  # PR: custom
+
+
+def sows_bound() -> int:  # PR: custom
+  """How many sows this thread has bound so far: a custom rule that binds
+  none while it runs holds none (``constructs/custom.py``)."""
+  return _BOUND.count
+
+
 def bind_sow(
     leaves,
     *,
@@ -342,6 +357,7 @@ def bind_sow(
 ) -> list[tp.Any]:
   """Binds ``sow_p`` (effectful while a capture stages)."""
   extra = {} if ordinal is None else {'ordinal': ordinal}
+  _BOUND.count += 1  # PR: custom
   return sow_p.bind(
       *leaves,
       *closure,
@@ -551,7 +567,45 @@ def _replaced_by_callable_unbatched(key, params, dims) -> bool:
   )
 
 
+class _RuleAxes(threading.local):  # PR: custom
+  """The vmaps of JAX's JVP of ``custom_vmap`` rules running on this thread."""
+
+  axes: tuple[tp.Any, ...] = ()
+
+
+_RULE_AXES = _RuleAxes()  # PR: custom
+
+
+@contextlib.contextmanager
+def rule_axis(axis_data):  # PR: custom
+  """Marks ``axis_data`` as the vmap of a ``custom_vmap`` rule's JVP.
+
+  JAX differentiates a ``custom_vmap`` function's vmap rule under a vmap of
+  its own (``custom_vmap_jvp``) that maps only the arguments whose primal
+  or tangent alone is batched; the rule receives the others with their
+  batch axis already in place. A value that does not vary over that vmap is
+  therefore the rule's value as it sows it, and is not broadcast
+  (``constructs/custom.py``).
+  """
+  outer = _RULE_AXES.axes
+  _RULE_AXES.axes = (*outer, axis_data)
+  try:
+    yield
+  finally:
+    _RULE_AXES.axes = outer
+
+
+def _unmapped_on_rule_axis(axis_data, dims) -> bool:  # PR: custom
+  """Whether the value does not vary over the vmap of a ``custom_vmap``
+  rule's JVP (``rule_axis``): the rule's value, as it sows it."""
+  on_rule_axis = any(a is axis_data for a in _RULE_AXES.axes)
+  return on_rule_axis and all(d is None for d in dims)
+
+
 def _sow_batch(axis_data, leaves, dims, **params):
+  if _unmapped_on_rule_axis(axis_data, dims):  # PR: custom
+    outs = sow_p.bind(*leaves, **params)
+    return outs, [None] * len(outs)
   key = intervening()
   if _replaced_by_callable_unbatched(key, params, dims):
     return _kept_unbatched(axis_data, leaves, params)

@@ -47,7 +47,7 @@ from flax.nnx.sow.constructs import calls
 from flax.nnx.sow.constructs import calls_intervene  # PR: intervene
 from flax.nnx.sow.constructs import cond  # PR: loops
 from flax.nnx.sow.constructs import custom  # PR: custom
-from flax.nnx.sow.constructs import linear_solve  # PR: custom
+from flax.nnx.sow.constructs import linear_solve  # PR: linear_solve
 from flax.nnx.sow.constructs import loops_control  # PR: shard_map
 from flax.nnx.sow.constructs import partial_eval  # PR: partial_eval
 from flax.nnx.sow.constructs import rows  # PR: nnx
@@ -60,7 +60,7 @@ __all__ = [
     'calls_intervene',  # PR: intervene
     'cond',  # PR: loops
     'custom',  # PR: custom
-    'linear_solve',  # PR: custom
+    'linear_solve',  # PR: linear_solve
     'loops_control',  # PR: shard_map
     'partial_eval',  # PR: partial_eval
     'rows',  # PR: nnx

@@ -62,6 +62,8 @@ from flax.nnx.sow.inject import intervene_rules
 from flax.nnx.sow.inject import one_body
 from flax.nnx.sow.inject import one_scope
 from flax.nnx.sow.primitive import VALUE_KINDS
+from flax.nnx.sow.primitive import rule_axis
+from flax.nnx.sow.primitive import sows_bound
 from flax.nnx.sow.primitive import staging
 from flax.nnx.sow.primitive import staging_active
 from flax.nnx.sow.sites import construct_names
@@ -811,6 +813,38 @@ def _custom_vmap_intervene(injector, eqn, invals):
   return _jax.bind_custom_vmap(new, [*consts, *invals, *reps], rule)
 
 
+# JAX's JVP of a ``custom_vmap_call`` runs the vmap rule under a vmap of its
+# own (``custom_vmap_jvp``), which maps only the arguments whose primal or
+# tangent alone is batched; the others reach the rule with their batch axis
+# in place. The rule's sows of values that vary only over that axis are
+# already batched, so that vmap must not broadcast them again
+# (``primitive.rule_axis``).
+
+
+class _RuleUnderJvp:
+  """A ``custom_vmap`` rule that JAX's JVP runs under its own vmap."""
+
+  def __init__(self, rule):
+    self.rule = rule
+    self.__name__ = getattr(rule, '__name__', str(rule))
+
+  def __str__(self):
+    return str(self.rule)
+
+  def __call__(self, axis_size, in_batched, *args):
+    with rule_axis(_jax.enclosing_batch_axis(axis_size)):
+      return self.rule(axis_size, in_batched, *args)
+
+
+def _custom_vmap_jvp(original, primals, tangents, *, rule, **params):
+  if staging_active():  # else no sow in the rule is collectible
+    rule = _RuleUnderJvp(rule)
+  return original(primals, tangents, rule=rule, **params)
+
+
+_jax_patches.register('custom_vmap_jvp', _custom_vmap_jvp)
+
+
 collect_rules[_jax.custom_vmap_p] = _custom_vmap_capture
 
 
@@ -870,6 +904,43 @@ def _staged_rule(primitive, trace, args, params) -> _jax.ClosedJaxpr:
   return _staged(fwd, rule, avals, 'custom_vjp_fwd')
 
 
+def _refusing_tangent_sows(trace, args, params):
+  """``params`` with a ``custom_jvp`` rule that raises if it sows a value
+  computed from the tangents.
+
+  A sow collects primal values; one of a tangent would be collected once
+  under ``jax.jvp``, once per application of a ``jax.linearize``'s linear
+  function and never under ``jax.grad`` (the tangent is transposed away),
+  so it is refused. Only a rule that binds a sow while it runs is staged
+  again to find what its sows read.
+  """
+  fun, jvp = params['subfuns']
+
+  def run(*xs):
+    before = sows_bound()
+    outs = jvp.call_wrapped(*xs)
+    if sows_bound() != before:
+      with _jax.stores_set_aside(jvp):
+        rule = _staged_rule(_jax.custom_jvp_call_p, trace, args, params)
+      tangent_part = _jax.tangent_dependent_part(rule, len(args))
+      sites = [
+          s
+          for s in sow_sites(tangent_part)
+          if s.kind in VALUE_KINDS and s.collectible
+      ]
+      if sites:
+        raise ValueError(
+            f'sow {sites[0].name!r}{sites[0].where}: a `jax.custom_jvp`'
+            ' rule sows a value computed from the tangents. A sow collects'
+            ' primal values (a tangent would be collected under `jax.jvp`'
+            ' but not under `jax.grad`). Sow the primal value in the'
+            ' function, or use `perturb` on it to collect its cotangent.'
+        )
+    return outs
+
+  return dict(params, subfuns=(fun, _jax.wrapped_like(run, jvp)))
+
+
 def _differentiated_custom_call(
     primitive, original, trace, args, avals, params, /
 ):
@@ -877,6 +948,8 @@ def _differentiated_custom_call(
     return original(trace, args, avals, params)
   if not any(_jax.has_tangent(trace, x) for x in args):
     return original(trace, args, avals, params)  # the rule does not run
+  if primitive is _jax.custom_jvp_call_p:
+    params = _refusing_tangent_sows(trace, args, params)
   fun = params['subfuns'][0]
   primals = [_jax.primal_of(trace, x) for x in args]
   with _jax.set_current_trace(trace.parent_trace):

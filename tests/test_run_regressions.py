@@ -380,6 +380,63 @@ class CustomVmapRuleUnderJvpTest(parameterized.TestCase):
     self.assertAlmostEqual(float(got['tot']), -0.5)
 
 
+@jax.custom_batching.custom_vmap
+def _counting_vmap(x):
+  return jnp.sin(x)
+
+
+@_counting_vmap.def_vmap
+def _counting_vmap_rule(axis_size, in_batched, xs):
+  del axis_size
+  sow(jnp.sum(xs), name='s')
+  sow(jnp.float32(1.0), name='n', **_SUM)
+  return jnp.sin(xs), in_batched[0]
+
+
+@jax.custom_batching.custom_vmap
+def _product_vmap(x, y):
+  return x * y
+
+
+@_product_vmap.def_vmap
+def _product_vmap_rule(axis_size, in_batched, x, y):
+  del axis_size
+  return sow(x * y, name='p'), in_batched[0] or in_batched[1]
+
+
+class CustomVmapRuleMappedByItsJvpTest(absltest.TestCase):
+  """Where JAX's JVP of a ``custom_vmap`` call maps the rule over arguments
+  whose primal alone is batched, the rule runs per example, and its sows
+  are batched as under any vmap."""
+
+  xs = jnp.array([0.5, -1.0, 2.0])
+
+  def test_unbatched_tangent(self):
+    t = jnp.float32(1.5)
+    jvp = lambda x: jax.jvp(_counting_vmap, (x,), (t,))
+    (y, dy), got = capture(jax.vmap(jvp))(self.xs)
+    x = np.asarray(self.xs)
+    np.testing.assert_allclose(y, np.sin(x), rtol=1e-6)
+    np.testing.assert_allclose(dy, 1.5 * np.cos(x), rtol=1e-6)
+    # the rule sees one example at a time: sum(xs) is that example, and the
+    # count folds once per example
+    np.testing.assert_allclose(got['s'][0], x)
+    self.assertEqual(float(got['n']), 3.0)
+
+  def test_batched_tangent(self):
+    jvp = lambda x: jax.jvp(_counting_vmap, (x,), (x,))
+    _, got = capture(jax.vmap(jvp))(self.xs)
+    # the rule sees the batch: one sum, one fold
+    np.testing.assert_allclose(got['s'][0], 1.5, rtol=1e-6)
+    self.assertEqual(float(got['n']), 1.0)
+
+  def test_mixed_arguments_raise(self):
+    t = jnp.float32(0.0)
+    jvp = lambda x, y: jax.jvp(_product_vmap, (x, y), (x, t))
+    with self.assertRaisesRegex(NotImplementedError, "sow 'p'.*custom_vmap"):
+      capture(jax.vmap(jvp))(self.xs, self.xs)
+
+
 @jax.custom_jvp
 def _sin_sowing_tangent(x):
   return jnp.sin(x)

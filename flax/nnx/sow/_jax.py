@@ -592,8 +592,9 @@ def has_tangent(trace, x) -> bool:  # PR: custom
   return type(trace.to_primal_tangent_pair(x)[1]) is not Zero
 
 
-def enclosing_batch_axis(axis_size: int) -> tp.Any:  # PR: custom
-  """The ``AxisData`` of the innermost ``jax.vmap`` around the current trace.
+def enclosing_batch_trace(axis_size: int) -> tp.Any:  # PR: custom
+  """The ``BatchTrace`` of the innermost ``jax.vmap`` around the current
+  trace.
 
   Raises:
     AssertionError: no vmap of ``axis_size`` encloses the current trace.
@@ -602,7 +603,14 @@ def enclosing_batch_axis(axis_size: int) -> tp.Any:  # PR: custom
   while trace is not None and not isinstance(trace, batching.BatchTrace):
     trace = getattr(trace, 'parent_trace', None)
   assert trace is not None and trace.axis_data.size == axis_size, trace
-  return trace.axis_data
+  return trace
+
+
+def mapped_by(trace, x) -> bool:  # PR: custom
+  """Whether the vmap of ``trace`` maps ``x`` (or its primal or tangent)."""
+  if isinstance(x, ad.JVPTracer):
+    return mapped_by(trace, x.primal) or mapped_by(trace, x.tangent)
+  return isinstance(x, batching.BatchTracer) and x._trace is trace  # pylint: disable=protected-access
 
 
 def wrap_rule(  # PR: partial_eval

@@ -332,6 +332,7 @@ class _Bound(threading.local):  # PR: custom
   """How many sows this thread has bound (see ``sows_bound``)."""
 
   count: int = 0
+  last: Name | None = None  # the name of the last one
 
 
 _BOUND = _Bound()  # PR: custom
@@ -341,6 +342,11 @@ def sows_bound() -> int:  # PR: custom
   """How many sows this thread has bound so far: a custom rule that binds
   none while it runs holds none (``constructs/custom.py``)."""
   return _BOUND.count
+
+
+def last_sow_bound() -> Name | None:  # PR: custom
+  """The name of the last sow this thread bound (for errors)."""
+  return _BOUND.last
 
 
 def bind_sow(
@@ -357,7 +363,7 @@ def bind_sow(
 ) -> list[tp.Any]:
   """Binds ``sow_p`` (effectful while a capture stages)."""
   extra = {} if ordinal is None else {'ordinal': ordinal}
-  _BOUND.count += 1  # PR: custom
+  _BOUND.count, _BOUND.last = _BOUND.count + 1, name  # PR: custom
   return sow_p.bind(
       *leaves,
       *closure,

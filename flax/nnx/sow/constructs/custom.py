@@ -62,6 +62,7 @@ from flax.nnx.sow.inject import intervene_rules
 from flax.nnx.sow.inject import one_body
 from flax.nnx.sow.inject import one_scope
 from flax.nnx.sow.primitive import VALUE_KINDS
+from flax.nnx.sow.primitive import last_sow_bound
 from flax.nnx.sow.primitive import rule_axis
 from flax.nnx.sow.primitive import sows_bound
 from flax.nnx.sow.primitive import staging
@@ -832,8 +833,27 @@ class _RuleUnderJvp:
     return str(self.rule)
 
   def __call__(self, axis_size, in_batched, *args):
-    with rule_axis(_jax.enclosing_batch_axis(axis_size)):
-      return self.rule(axis_size, in_batched, *args)
+    trace = _jax.enclosing_batch_trace(axis_size)
+    if not any(_jax.mapped_by(trace, x) for x in jax.tree.leaves(args)):
+      # The vmap maps nothing: the rule got every argument with its batch
+      # axis in place (or unbatched), and sows as under a vmap of it.
+      with rule_axis(trace.axis_data):
+        return self.rule(axis_size, in_batched, *args)
+    # The vmap maps what the rule got unbatched: a vmap of the rule, whose
+    # sows are batched as under any vmap, unless other arguments came with
+    # their batch axis in place, which a sown value cannot tell apart.
+    before = sows_bound()
+    outs = self.rule(axis_size, in_batched, *args)
+    if any(jax.tree.leaves(in_batched)) and sows_bound() != before:
+      raise NotImplementedError(
+          f'sow {last_sow_bound()!r}: the vmap rule of a'
+          ' `jax.custom_batching.custom_vmap` function sows under `jax.jvp` where some arguments are batched'
+          ' in both primal and tangent and others in only one of them; JAX'
+          ' then maps the rule over the latter, and a sown value cannot'
+          ' tell its batch axis apart. Batch the primal and the tangent'
+          ' alike (jax.vmap over both), or sow outside the rule.'
+      )
+    return outs
 
 
 def _custom_vmap_jvp(original, primals, tangents, *, rule, **params):

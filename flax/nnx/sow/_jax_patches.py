@@ -423,8 +423,8 @@ INVENTORY: tuple[Patch, ...] = (
         'ad.primitive_jvps[custom_vmap_p]',
         'constructs/custom.py',
         "The JVP runs the vmap rule under a vmap of its own that maps only"
-        " arguments whose primal or tangent alone is batched; the rule's"
-        ' sows must not be broadcast over it.',
+        " arguments whose primal or tangent alone is batched; where it maps"
+        " none, the rule's sows must not be broadcast over it.",
         'A way for a rule to tell an internal vmap from a user\'s (or the'
         " rule's batching flags passed to the sows it runs).",
         _wrap_rule(_jax.primitive_jvps, _jax.custom_vmap_p),

@@ -587,11 +587,11 @@ def rule_axis(axis_data):  # PR: custom
   """Marks ``axis_data`` as the vmap of a ``custom_vmap`` rule's JVP.
 
   JAX differentiates a ``custom_vmap`` function's vmap rule under a vmap of
-  its own (``custom_vmap_jvp``) that maps only the arguments whose primal
-  or tangent alone is batched; the rule receives the others with their
-  batch axis already in place. A value that does not vary over that vmap is
-  therefore the rule's value as it sows it, and is not broadcast
-  (``constructs/custom.py``).
+  its own (``custom_vmap_jvp``) that maps the arguments whose primal or
+  tangent alone is batched. ``constructs/custom.py`` marks it only where it
+  maps none of the rule's arguments: the rule then received each with its
+  batch axis in place (or unbatched), so what it sows is its value as it
+  sows it, and is not broadcast.
   """
   outer = _RULE_AXES.axes
   _RULE_AXES.axes = (*outer, axis_data)

@@ -815,11 +815,11 @@ def _custom_vmap_intervene(injector, eqn, invals):
 
 
 # JAX's JVP of a ``custom_vmap_call`` runs the vmap rule under a vmap of its
-# own (``custom_vmap_jvp``), which maps only the arguments whose primal or
-# tangent alone is batched; the others reach the rule with their batch axis
-# in place. The rule's sows of values that vary only over that axis are
-# already batched, so that vmap must not broadcast them again
-# (``primitive.rule_axis``).
+# own (``custom_vmap_jvp``), which maps the arguments whose primal or
+# tangent alone is batched and hands the others to the rule with their batch
+# axis in place. Where it maps none of them, the rule's sows are already
+# batched, so that vmap must not broadcast them again
+# (``primitive.rule_axis``); where it maps some, it is a vmap of the rule.
 
 
 class _RuleUnderJvp:
@@ -847,8 +847,9 @@ class _RuleUnderJvp:
     if any(jax.tree.leaves(in_batched)) and sows_bound() != before:
       raise NotImplementedError(
           f'sow {last_sow_bound()!r}: the vmap rule of a'
-          ' `jax.custom_batching.custom_vmap` function sows under `jax.jvp` where some arguments are batched'
-          ' in both primal and tangent and others in only one of them; JAX'
+          ' `jax.custom_batching.custom_vmap` function sows under `jax.jvp`'
+          ' where some arguments are batched in both primal and tangent and'
+          ' others in only one of them; JAX'
           ' then maps the rule over the latter, and a sown value cannot'
           ' tell its batch axis apart. Batch the primal and the tangent'
           ' alike (jax.vmap over both), or sow outside the rule.'
@@ -968,8 +969,10 @@ def _differentiated_custom_call(
     return original(trace, args, avals, params)
   if not any(_jax.has_tangent(trace, x) for x in args):
     return original(trace, args, avals, params)  # the rule does not run
+  # What JAX calls; the body and the rule are staged from ``params``.
+  called = params
   if primitive is _jax.custom_jvp_call_p:
-    params = _refusing_tangent_sows(trace, args, params)
+    called = _refusing_tangent_sows(trace, args, params)
   fun = params['subfuns'][0]
   primals = [_jax.primal_of(trace, x) for x in args]
   with _jax.set_current_trace(trace.parent_trace):
@@ -981,7 +984,7 @@ def _differentiated_custom_call(
       rule = _staged_rule(primitive, trace, args, params)
       in_rule = _value_sow_names(rule)
   if not names or names <= in_rule:
-    return original(trace, args, avals, params)
+    return original(trace, args, avals, called)
   if _holds_remat_opt(rule.jaxpr):
     # custom_vjp(optimize_remat=True): JAX may run the primal function in
     # place of fwd (when its residuals are unused), with the body's sows, so
@@ -1000,7 +1003,7 @@ def _differentiated_custom_call(
   body = without_value_sows_named(body, in_rule)
   with _jax.set_current_trace(trace.parent_trace):
     _jax.eval_into_current_trace(body.jaxpr, body.consts, primals)
-  return original(trace, args, avals, params)
+  return original(trace, args, avals, called)
 
 
 # ----------------------------------------------------------------------------

@@ -53,6 +53,10 @@ REPRESENTATIVE = {
         'tests/test_core.py::CheckpointTest',
         'tests/test_core.py::TagTest',
     ],
+    'reductions': [
+        'tests/test_core.py::SeedExampleTest',
+        'tests/test_core.py::ErrorTest',
+    ],
     'eager': [
         'tests/test_core.py::EagerJittedTest',
         'tests/test_toplevel.py::EagerTest',
@@ -85,10 +89,17 @@ REPRESENTATIVE = {
     ],
 }
 
-# A program per pull request that adds a construct: without that pull
-# request, capturing it under jit raises the core's "no rule" error naming
-# the sow and the primitive (the construct's display name lands with it).
+# A program per pull request that adds a construct (or, for reductions, a
+# kind of sow): without that pull request, capturing it under jit raises
+# the core's "no rule" error naming the sow and the primitive (the
+# construct's display name lands with it), or the core's error for a
+# reduced sow.
 CONSTRUCTS = {
+    'reductions': (
+        'reduce_fn/init_fn need flax.nnx.sow.reductions',
+        'f = lambda x: sow(x, name="late", reduce_fn=lambda a, v: a + v,\n'
+        '    init_fn=lambda: 0.0) * 2.0',
+    ),
     'loops': (
         'primitive `scan` has no capture rule',
         'f = lambda x: jax.lax.scan(\n'

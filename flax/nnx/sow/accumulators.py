@@ -42,6 +42,7 @@ import typing as tp
 import jax
 
 from flax.nnx.sow import _jax
+from flax.nnx.sow import collect
 from flax.nnx.sow import reductions
 from flax.nnx.sow.primitive import MARKER_KINDS
 from flax.nnx.sow.primitive import Name
@@ -51,7 +52,8 @@ from flax.nnx.sow.reductions import strong
 from flax.nnx.sow.sites import ShardAxes
 from flax.nnx.sow.sites import SowSite
 from flax.nnx.sow.sites import as_jaxpr
-from flax.nnx.sow.sites import init_order_sites
+from flax.nnx.sow.sites import site_annotations
+from flax.nnx.sow.sites import sow_p
 from flax.nnx.sow.sites import sow_sites
 
 
@@ -126,6 +128,33 @@ def init_reads_body(site: SowSite) -> bool:
   construct that holds the sow (so it cannot run before that construct)."""
   snap = site.reduction.snapshot
   return snap is not None and bool(snap.n_init_closure)
+
+
+def init_order_sites(jaxpr: _jax.Jaxpr) -> list[SowSite]:
+  """The reduced sows of ``jaxpr`` in the order in which they give a name
+  its ``init_fn()``: program order, except that the two branches of a
+  ``cond`` come last first. JAX stores ``lax.cond(pred, true_fun,
+  false_fun)``'s branches as ``(false_fun, true_fun)``; ``true_fun``, written
+  first, comes first (a two-branch ``lax.switch`` is staged the same way).
+  By position, so that JAX's transforms, which keep branches in place, do
+  not change it."""
+  sites = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive is sow_p:
+      p = eqn.params
+      if p['reduction'] is not None and not p['remat_copy']:
+        sites.append(
+            SowSite(p['sow_name'], p['tag'], p['reduction'], p['kind'], eqn)
+        )
+      continue
+    subs = list(_jax.jaxprs_in_params(eqn.params))
+    if eqn.primitive is _jax.cond_p and len(subs) == 2:
+      subs = subs[::-1]
+    annotate = site_annotations.get(eqn.primitive)
+    for sub in subs:
+      for site in init_order_sites(sub):
+        sites.append(site if annotate is None else annotate(eqn, site))
+  return sites
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,6 +293,23 @@ class Accumulators:
 
   def get(self, name: Name) -> Accumulator | None:
     return self.by_name.get(name)
+
+  def value(self, name: Name) -> tp.Any:
+    """The accumulator of ``name`` as the pytree ``init_fn()`` gave."""
+    acc = self.by_name[name]
+    return jax.tree_util.tree_unflatten(acc.treedef, acc.leaves)
+
+  plain_error = staticmethod(_reduction_error)
+
+  def enter(self, specs: tp.Sequence[ReducedSpec], leaves) -> None:
+    """Starts a rewritten sub-jaxpr's scope from its accumulator inputs
+    (``leaves``, laid out by ``specs``)."""
+    pos = 0
+    for s in specs:
+      n = len(s.avals)
+      acc = Accumulator(s.treedef, tuple(leaves[pos : pos + n]))
+      self.put(s.name, acc, s.sharded)
+      pos += n
 
   def start(
       self,
@@ -434,3 +480,6 @@ class Accumulators:
         )
         for s in specs
     )
+
+
+collect.reduced_names.append(Accumulators)

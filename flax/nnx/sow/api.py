@@ -39,9 +39,7 @@ import numpy as np
 
 from flax.nnx.sow import _jax
 from flax.nnx.sow import names
-from flax.nnx.sow import reductions
 from flax.nnx.sow.primitive import Name
-from flax.nnx.sow.primitive import Reduction
 from flax.nnx.sow.primitive import bind_sow
 from flax.nnx.sow.primitive import is_eager
 from flax.nnx.sow.primitive import staging_active
@@ -211,56 +209,54 @@ def sow(
   return out
 
 
+class ReductionHook(tp.Protocol):
+  """What ``reductions.py`` registers in :data:`reduction_hooks`."""
+
+  def check(self, name: Name, reduce_fn, init_fn) -> None:
+    """Raises ``TypeError`` for a bad ``reduce_fn``/``init_fn`` pair."""
+
+  def reduction(
+      self, name, reduce_fn, init_fn, treedef, leaves, fixed_type: bool
+  ) -> tuple[tp.Any, tuple[tp.Any, ...]]:
+    """``(reduction, closure)``: the sow's ``reduction`` parameter and the
+    traced values its functions close over (extra operands of the sow)."""
+
+
+reduction_hooks: list[ReductionHook] = []
+"""Where reduced sows come from (``reductions.py`` registers one)."""
+
+
+def reduction_hook(name: Name) -> ReductionHook:
+  """The registered :class:`ReductionHook`.
+
+  Raises:
+    NotImplementedError: naming the sow, if none is registered.
+  """
+  if not reduction_hooks:
+    raise NotImplementedError(
+        f'sow {name!r}: reduce_fn/init_fn need flax.nnx.sow.reductions,'
+        ' which is not part of this build. Sow the values without a'
+        ' reduction and reduce the collected tuple after the capture.'
+    )
+  return reduction_hooks[-1]
+
+
 def sow_site(value, name, tag, reduce_fn, init_fn, *, fixed_type: bool):
   """:func:`sow`; ``fixed_type=False`` lets ``reduce_fn`` change the
   accumulator's type where no loop or branch carries it (``Module.sow``)."""
   name = check_name(name)
   check_tag(tag, name)
-  if (reduce_fn is None) != (init_fn is None):
-    raise TypeError(
-        f'sow {name!r}: reduce_fn and init_fn go together; pass both to'
-        ' reduce the sown values into one accumulator, or neither to collect'
-        ' every value.'
-    )
-  if reduce_fn is not None and not callable(reduce_fn):
-    raise TypeError(
-        f'sow {name!r}: reduce_fn must be a function reduce_fn(acc, value)'
-        f' -> acc, got {reduce_fn!r} of type {type(reduce_fn).__name__}.'
-    )
-  if init_fn is not None and not callable(init_fn):
-    raise TypeError(
-        f'sow {name!r}: init_fn must be a function init_fn() -> acc, got'
-        f' {init_fn!r} of type {type(init_fn).__name__}; for a constant'
-        f' start write init_fn=lambda: {init_fn!r}.'
-    )
+  reduced = reduce_fn is not None or init_fn is not None
+  if reduced:
+    reduction_hook(name).check(name, reduce_fn, init_fn)
   leaves, treedef = array_leaves(value, name)
   if is_eager():
     return value
   reduction, closure = None, ()
-  if reduce_fn is not None:
-    snapshot = None
-    if staging_active():
-      # Fix what reduce_fn/init_fn mean now, as Flax applies them at the
-      # sow (a lambda reading a loop variable sees its current value).
-      try:
-        snapshot, closure = reductions.take_snapshot(
-            reduce_fn, init_fn, treedef, [_jax.typeof(x) for x in leaves]
-        )
-      except reductions.ReadsMutableError as e:
-        raise ValueError(
-            f'sow {name!r}: its {e.fn_name} reads a ref or Hijax Variable.'
-            ' A capture applies reduce_fn and init_fn to values fixed at the'
-            ' sow, and cannot fix a mutable Variable there. Read the'
-            ' Variable before the sow and close over the value instead, e.g.'
-            ' w = v[...]; sow(h, ..., reduce_fn=lambda acc, h: acc + h * w).'
-        ) from None
-      except Exception as e:
-        e.add_note(
-            f'(raised by the reduce_fn or init_fn of sow {name!r}, applied to'
-            ' the sown value and the accumulator)'
-        )
-        raise
-    reduction = Reduction(reduce_fn, init_fn, snapshot, fixed_type)
+  if reduced:
+    reduction, closure = reduction_hook(name).reduction(
+        name, reduce_fn, init_fn, treedef, leaves, fixed_type
+    )
   out = bind_sow(
       leaves,
       name=name,

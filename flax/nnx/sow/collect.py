@@ -52,11 +52,6 @@ from flax.nnx.sow.primitive import MARKER_KINDS
 from flax.nnx.sow.primitive import Name
 from flax.nnx.sow.primitive import collectible
 from flax.nnx.sow.primitive import sow_p
-from flax.nnx.sow.reductions import Accumulator
-from flax.nnx.sow.reductions import Reduction
-from flax.nnx.sow.accumulators import Accumulators
-from flax.nnx.sow.accumulators import ReducedSpec
-from flax.nnx.sow.accumulators import _reduction_error
 from flax.nnx.sow.sites import SowSite
 from flax.nnx.sow.sites import accepts
 from flax.nnx.sow.sites import as_jaxpr
@@ -66,6 +61,9 @@ from flax.nnx.sow.sites import sow_sites
 from flax.nnx.sow.sites import where
 
 Rule = tp.Callable[['Collector', _jax.JaxprEqn, list[tp.Any]], list[tp.Any]]
+# What a rewritten sub-jaxpr takes and returns for one reduced name
+# (``accumulators.ReducedSpec``).
+ReducedSpec = tp.Any
 
 collect_rules: dict[_jax.Primitive, Rule] = {}
 """Rules for higher-order primitives, keyed by primitive.
@@ -92,6 +90,34 @@ nodes among the arguments); the functional core knows nothing of NNX.
 opaque_leaf_checks: list[tp.Callable[[tp.Any], bool]] = []
 """Predicates for objects a capture must not flatten as pytrees (NNX graph
 nodes, registered by ``nnx/calls.py``)."""
+
+
+class NoReducedNames:
+  """The reduced names of a scope before ``accumulators.py`` lands: none
+  (``api.sow`` refuses a ``reduce_fn`` without it). The interface a
+  :class:`Collector` and the construct rules use of ``self.reduced``."""
+
+  def __init__(self, claim, is_plain, takes, python_folds: bool = False):
+    del claim, is_plain, takes, python_folds
+
+  def __contains__(self, name: Name) -> bool:
+    return False
+
+  def specs(self, jaxprs, *, branches: bool = False) -> tuple:
+    del jaxprs, branches
+    return ()
+
+  def leaves(self, specs) -> list:
+    return []
+
+  def current(self, specs) -> tuple:
+    return tuple(specs)
+
+
+reduced_names: list[type] = [NoReducedNames]
+"""The class that keeps a :class:`Collector`'s reduced names, last one
+registered: ``accumulators.Accumulators`` (its ``fold``, ``absorb``,
+``enter`` and ``get`` serve what the reductions add here)."""
 
 
 def is_opaque_leaf(x) -> bool:
@@ -457,7 +483,7 @@ class Collector:
     self.plain_names: set[Name] = set()
     # 'value' or 'cotangent' per name: one name, one meaning.
     self.meanings: dict[Name, str] = {}
-    self.reduced = Accumulators(
+    self.reduced = reduced_names[-1](
         self.claim,
         self.plain_names.__contains__,
         self.accepts_site,
@@ -469,7 +495,7 @@ class Collector:
   def accepts(
       self,
       tag: tp.Hashable,
-      reduction: Reduction | None,
+      reduction: tp.Any,  # a reductions.Reduction, or None
       kind: str = 'value',
       name: Name | None = None,
   ) -> bool:
@@ -516,8 +542,8 @@ class Collector:
   def add_entry(
       self, spec: EntrySpec, leaves: tp.Sequence[tp.Any], where_: str = ''
   ):
-    if spec.name in self.reduced:
-      raise _reduction_error(spec.name, where_)
+    if spec.name in self.reduced:  # PR: reductions
+      raise self.reduced.plain_error(spec.name, where_)
     if (
         spec.kind == 'cotangent'
         and isinstance(spec.ordinal, BranchOrdinal)
@@ -558,9 +584,7 @@ class Collector:
         for x in invals
     ]
     values, closure = invals[:n], invals[n:]
-    if p['reduction'] is None:
-      self.add_entry(EntrySpec.of_sow(p, len(values)), values, where_)
-    else:
+    if p['reduction'] is not None:  # PR: reductions
       self.names.setdefault(p['sow_name'], None)
       self.reduced.fold(
           p['sow_name'],
@@ -571,6 +595,8 @@ class Collector:
           where_,
           closure,
       )
+      return given
+    self.add_entry(EntrySpec.of_sow(p, len(values)), values, where_)
     return given
 
   # -- sub-jaxprs ---------------------------------------------------------
@@ -618,12 +644,11 @@ class Collector:
     for spec in layout.entries:
       self.add_entry(spec, extra[pos : pos + spec.size])
       pos += spec.size
-    for spec in layout.reduced:
+    for spec in layout.reduced:  # PR: reductions
       n = len(spec.avals)
       self.reduced.absorb(spec, extra[pos : pos + n])
-      pos += n
-    for spec in layout.reduced:
       self.names.setdefault(spec.name, None)
+      pos += n
 
   def split_outputs(
       self, layout: Layout, outs: tp.Sequence[tp.Any], n_out: int
@@ -653,8 +678,7 @@ class Collector:
     cotangents = set()
     for name in self.names:
       if name in self.reduced:
-        acc = self.reduced.get(name)
-        out[name] = jax.tree_util.tree_unflatten(acc.treedef, acc.leaves)
+        out[name] = self.reduced.value(name)
       elif self.meanings.get(name) == 'cotangent':
         values = _in_call_order(plain.get(name, []))
         if values:  # else: a perturb never differentiated: nothing
@@ -835,7 +859,7 @@ def edit_plain_sows(
       if accepts(
           accepts_key, p['tag'], p['reduction'], p['kind'], p['sow_name']
       ):
-        if p['reduction'] is not None:
+        if p['reduction'] is not None:  # PR: reductions
           return None
         operands = renamed(eqn.invars, subst)
         subst.update(zip(eqn.outvars, operands))
@@ -894,12 +918,7 @@ def _rewrite_jaxpr(jaxpr, accepts_key, specs, python_folds=False):
   def rewritten(*args):
     acc_leaves, inputs = args[:num_acc], args[num_acc:]
     inner = Collector(accepts_key, python_folds)
-    pos = 0
-    for s in specs:
-      n = len(s.avals)
-      acc = Accumulator(s.treedef, tuple(acc_leaves[pos : pos + n]))
-      inner.reduced.put(s.name, acc, s.sharded)
-      pos += n
+    inner.reduced.enter(specs, acc_leaves)  # PR: reductions
     outs = eval_collecting(jaxpr.jaxpr, jaxpr.consts, inputs, inner)
     layout_box.append(inner.layout(specs))
     return [*outs, *inner.extra_outputs(specs)]

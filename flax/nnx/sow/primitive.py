@@ -37,7 +37,6 @@ import jax.numpy as jnp
 
 from flax.nnx.sow import _jax
 from flax.nnx.sow import _jax_patches
-from flax.nnx.sow.reductions import Reduction
 
 Name = tp.Union[str, tuple[tp.Union[str, int], ...]]
 
@@ -282,7 +281,7 @@ def tags_of(accepts_key) -> frozenset | None:
 def accepts(
     accepts_key: frozenset | Selection | None | object,
     tag: tp.Hashable,
-    reduction: Reduction | None,
+    reduction: tp.Any,  # a reductions.Reduction, or None
     kind: str = 'value',
     name: Name | None = None,
 ) -> bool:
@@ -355,7 +354,7 @@ def bind_sow(
     name: Name,
     tag: tp.Hashable,
     treedef,
-    reduction: Reduction | None = None,
+    reduction: tp.Any = None,  # a reductions.Reduction
     kind: str = 'value',
     batch_dims: int = 0,
     closure: tp.Sequence[tp.Any] = (),

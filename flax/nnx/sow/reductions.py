@@ -36,6 +36,8 @@ import typing as tp
 import jax
 
 from flax.nnx.sow import _jax
+from flax.nnx.sow import api
+from flax.nnx.sow.primitive import staging_active
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -298,3 +300,72 @@ def masked(snapshot: Snapshot, n_value: int) -> Snapshot:  # PR: loops
           fn, [*_jax.binder_types(fold), mask_aval], 'masked_reduce_fn'
       ),
   )
+
+
+# -- the sow's side (``api.sow``) ----------------------------------------------
+
+
+def check_functions(name, reduce_fn, init_fn) -> None:
+  """Raises ``TypeError`` unless ``reduce_fn`` and ``init_fn`` are both
+  given and callable."""
+  if (reduce_fn is None) != (init_fn is None):
+    raise TypeError(
+        f'sow {name!r}: reduce_fn and init_fn go together; pass both to'
+        ' reduce the sown values into one accumulator, or neither to collect'
+        ' every value.'
+    )
+  if reduce_fn is not None and not callable(reduce_fn):
+    raise TypeError(
+        f'sow {name!r}: reduce_fn must be a function reduce_fn(acc, value)'
+        f' -> acc, got {reduce_fn!r} of type {type(reduce_fn).__name__}.'
+    )
+  if init_fn is not None and not callable(init_fn):
+    raise TypeError(
+        f'sow {name!r}: init_fn must be a function init_fn() -> acc, got'
+        f' {init_fn!r} of type {type(init_fn).__name__}; for a constant'
+        f' start write init_fn=lambda: {init_fn!r}.'
+    )
+
+
+def reduction_of_sow(name, reduce_fn, init_fn, treedef, leaves, fixed_type):
+  """``(reduction, closure)`` for a sow of ``leaves`` (see
+  :class:`~flax.nnx.sow.api.ReductionHook`): while a capture stages, the
+  functions are traced here (:func:`take_snapshot`); outside one nothing is
+  traced.
+
+  Raises:
+    ValueError: if either function reads a ref or Hijax Variable.
+  """
+  snapshot, closure = None, ()
+  if staging_active():
+    # Fix what reduce_fn/init_fn mean now, as Flax applies them at the
+    # sow (a lambda reading a loop variable sees its current value).
+    try:
+      snapshot, closure = take_snapshot(
+          reduce_fn, init_fn, treedef, [_jax.typeof(x) for x in leaves]
+      )
+    except ReadsMutableError as e:
+      raise ValueError(
+          f'sow {name!r}: its {e.fn_name} reads a ref or Hijax Variable.'
+          ' A capture applies reduce_fn and init_fn to values fixed at the'
+          ' sow, and cannot fix a mutable Variable there. Read the'
+          ' Variable before the sow and close over the value instead, e.g.'
+          ' w = v[...]; sow(h, ..., reduce_fn=lambda acc, h: acc + h * w).'
+      ) from None
+    except Exception as e:
+      e.add_note(
+          f'(raised by the reduce_fn or init_fn of sow {name!r}, applied to'
+          ' the sown value and the accumulator)'
+      )
+      raise
+  return Reduction(reduce_fn, init_fn, snapshot, fixed_type), closure
+
+
+class SowReductions:
+  """This file's :class:`~flax.nnx.sow.api.ReductionHook`."""
+
+  check = staticmethod(check_functions)
+  reduction = staticmethod(reduction_of_sow)
+
+
+api.reduction_hooks.append(SowReductions())

@@ -47,7 +47,6 @@ from flax.nnx.sow.primitive import tags_of  # pylint: disable=unused-import
 from flax.nnx.sow.primitive import VALUE_KINDS  # PR: custom
 from flax.nnx.sow.primitive import sow_effect
 from flax.nnx.sow.primitive import sow_p
-from flax.nnx.sow.reductions import Reduction
 
 
 class NameDecisions:
@@ -197,7 +196,7 @@ class SowSite:
 
   name: Name
   tag: tp.Hashable
-  reduction: Reduction | None
+  reduction: tp.Any  # a reductions.Reduction, or None
   kind: str = 'value'
   # Where the sow was called, and what it sows (one example's avals).
   eqn: _jax.JaxprEqn | None = dataclasses.field(default=None, compare=False)
@@ -259,33 +258,6 @@ def sow_sites(jaxpr: _jax.Jaxpr) -> tuple[SowSite, ...]:
   with _sites_lock:
     _sites_cache[jaxpr] = result
   return result
-
-
-def init_order_sites(jaxpr: _jax.Jaxpr) -> list[SowSite]:
-  """The reduced sows of ``jaxpr`` in the order in which they give a name
-  its ``init_fn()``: program order, except that the two branches of a
-  ``cond`` come last first. JAX stores ``lax.cond(pred, true_fun,
-  false_fun)``'s branches as ``(false_fun, true_fun)``; ``true_fun``, written
-  first, comes first (a two-branch ``lax.switch`` is staged the same way).
-  By position, so that JAX's transforms, which keep branches in place, do
-  not change it."""
-  sites = []
-  for eqn in jaxpr.eqns:
-    if eqn.primitive is sow_p:
-      p = eqn.params
-      if p['reduction'] is not None and not p['remat_copy']:
-        sites.append(
-            SowSite(p['sow_name'], p['tag'], p['reduction'], p['kind'], eqn)
-        )
-      continue
-    subs = list(_jax.jaxprs_in_params(eqn.params))
-    if eqn.primitive is _jax.cond_p and len(subs) == 2:
-      subs = subs[::-1]
-    annotate = site_annotations.get(eqn.primitive)
-    for sub in subs:
-      for site in init_order_sites(sub):
-        sites.append(site if annotate is None else annotate(eqn, site))
-  return sites
 
 
 def as_jaxpr(j: _jax.Jaxpr | _jax.ClosedJaxpr) -> _jax.Jaxpr:

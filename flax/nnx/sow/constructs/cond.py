@@ -64,7 +64,7 @@ from flax.nnx.sow.reductions import strong
 from flax.nnx.sow.sites import PLAIN_SOWS
 from flax.nnx.sow.sites import accepts
 from flax.nnx.sow.sites import construct_names
-from flax.nnx.sow.sites import init_order_sites
+from flax.nnx.sow.accumulators import init_order_sites
 from flax.nnx.sow.sites import sow_sites
 
 # ----------------------------------------------------------------------------

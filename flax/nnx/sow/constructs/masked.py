@@ -54,7 +54,7 @@ from flax.nnx.sow.constructs.adapter import jit_params
 from flax.nnx.sow.constructs.scan import bind_scan
 from flax.nnx.sow.constructs.while_loop import bind_while
 from flax.nnx.sow.primitive import MARKER_KINDS
-from flax.nnx.sow.primitive import Reduction
+from flax.nnx.sow.reductions import Reduction
 from flax.nnx.sow.primitive import bind_sow
 from flax.nnx.sow.primitive import sow_p
 from flax.nnx.sow.sites import construct_name

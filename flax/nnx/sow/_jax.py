@@ -162,7 +162,7 @@ user_context = source_info_util.user_context
 current_name_stack = source_info_util.current_name_stack
 
 
-def is_eval_trace(trace) -> bool:
+def is_eval_trace(trace) -> bool:  # PR: eager
   """Whether ``trace`` is JAX's eval trace (no transform is tracing)."""
   return isinstance(trace, core.EvalTrace)
 
@@ -254,7 +254,7 @@ def exclude_from_source_info(path: str) -> None:
   source_info_util.register_exclusion(path)
 
 
-def weak_cache_key(cls: type) -> None:
+def weak_cache_key(cls: type) -> None:  # PR: reductions
   """Makes JAX's parameter-keyed caches hold objects of ``cls`` weakly.
 
   The abstract-evaluation cache keys on an equation's parameters; a
@@ -269,7 +269,7 @@ def is_ref(x: tp.Any) -> bool:
   return isinstance(x, core.Ref)
 
 
-def is_mutable(x: tp.Any) -> bool:
+def is_mutable(x: tp.Any) -> bool:  # PR: reductions
   """Whether ``x`` is a mutable JAX value: an array reference (a ref
   Variable's) or a mutable Hijax type (a Hijax Variable), also as a tracer."""
   aval = core.typeof(x)
@@ -401,12 +401,12 @@ def as_value(x: tp.Any) -> tp.Any:
   return jnp.asarray(x)
 
 
-def eval_closed(closed: ClosedJaxpr, args: tp.Sequence[tp.Any]) -> list:
+def eval_closed(closed: ClosedJaxpr, args: tp.Sequence[tp.Any]) -> list:  # PR: reductions
   """``eval_jaxpr`` of a closed jaxpr; literal outputs come back as arrays."""
   return [as_value(x) for x in eval_jaxpr(closed.jaxpr, closed.consts, *args)]
 
 
-def eval_fold(closed: ClosedJaxpr, args: tp.Sequence[tp.Any]) -> list:
+def eval_fold(closed: ClosedJaxpr, args: tp.Sequence[tp.Any]) -> list:  # PR: reductions
   """:func:`eval_closed` for a ``reduce_fn`` traced at one site.
 
   Inside ``shard_map`` the jaxpr was traced with the accumulator's type as
@@ -635,11 +635,6 @@ custom_partial_eval_rules = pe.custom_partial_eval_rules
 eval_trace = core.eval_trace
 
 
-def jax_sharding_module():
-  """The public ``jax.sharding`` module (its ``get_mesh`` is patched)."""
-  return jax.sharding
-
-
 def shard_map_context(  # PR: shard_map
     mesh, manual_axes: frozenset, check_vma: bool
 ):
@@ -731,7 +726,7 @@ def pvary_equation(  # PR: shard_map
   return eqn, out
 
 
-def vary_like(x: tp.Any, like: tp.Any) -> tp.Any:
+def vary_like(x: tp.Any, like: tp.Any) -> tp.Any:  # PR: reductions
   """``x``, ``pvary``-ed to also vary over the manual axes ``like`` varies
   over (inside ``shard_map`` with ``check_vma``; elsewhere ``x``)."""
   missing = varying_axes(typeof(like)) - varying_axes(typeof(x))
@@ -740,7 +735,7 @@ def vary_like(x: tp.Any, like: tp.Any) -> tp.Any:
   return core.pvary(x, tuple(missing))
 
 
-def off_manual_mesh(x: tp.Any) -> tp.Any:
+def off_manual_mesh(x: tp.Any) -> tp.Any:  # PR: reductions
   """A concrete array typed for a ``shard_map`` body, placed as a plain one.
 
   JAX can hand out a cached constant created inside a ``shard_map`` body (its

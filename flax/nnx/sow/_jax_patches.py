@@ -176,11 +176,11 @@ def _replace_scan_hoisting(factory):  # PR: partial_eval
   )
 
 
-def _compiled_call_now():  # PR: eager
+def _compiled_call_now():
   return (_jax.stages.Compiled.__call__,)
 
 
-def _guard_compiled_calls(check):  # PR: eager
+def _guard_compiled_calls(check):
   """``check()`` runs before every call of an ahead-of-time compiled
   function, which JAX runs without binding a primitive."""
   cls = _jax.stages.Compiled
@@ -195,7 +195,7 @@ def _guard_compiled_calls(check):  # PR: eager
   cls.__call__ = _marked(__call__)
 
 
-def _wrap_attributes(*targets):  # PR: eager
+def _wrap_attributes(*targets):
   """Each ``owner.attribute`` of ``targets`` becomes
   ``wrappers[attribute](original, *args, **kwargs)``: one entry, several
   objects, ``apply(wrappers)`` taking the wrappers by attribute name."""
@@ -234,7 +234,7 @@ class Patch:
 
 
 INVENTORY: tuple[Patch, ...] = (
-    Patch(  # PR: eager
+    Patch(
         'compiled_calls',
         'jax._src.stages.Compiled.__call__',
         'toplevel.py',
@@ -244,7 +244,7 @@ INVENTORY: tuple[Patch, ...] = (
         'A way for a trace to refuse (or see) calls of compiled executables.',
         _Target(_guard_compiled_calls, _compiled_call_now),
     ),
-    Patch(  # PR: eager
+    Patch(
         'eager_calls',
         'core.EvalTrace.process_primitive, core.EvalTrace.process_shard_map,'
         ' pjit._pjit_call_impl_python',

@@ -37,7 +37,7 @@ import jax
 import numpy as np
 
 from flax.nnx.sow import _jax
-from flax.nnx.sow import _jax_patches
+from flax.nnx.sow import _jax_patches  # PR: eager
 from flax.nnx.sow import api
 from flax.nnx.sow import names as names_lib
 from flax.nnx.sow import primitive as primitive_lib
@@ -442,7 +442,8 @@ def rewrite_program(
   use for sub-jaxprs (:func:`eval_collecting`).
   """
   accepts_key = None if tags is None else frozenset(tags)
-  _jax_patches.install()  # as the first capture does (``staging``)
+  # As the first capture does (``staging``).
+  _jax_patches.install()  # PR: eager
   # ``closed`` was staged as a capture would stage it only if a capture was
   # staging; a program staged outside one holds inert sows
   # (``primitive.collectible``), which this re-staging makes live again

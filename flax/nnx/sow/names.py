@@ -26,7 +26,7 @@ spelled most alike (``difflib``).
 
 from __future__ import annotations
 
-import difflib
+import difflib  # PR: intervene
 import typing as tp
 
 from flax.nnx.sow.primitive import Name
@@ -88,7 +88,7 @@ def closest(name: tp.Any, sown: tp.Iterable[tp.Any], n: int = 3) -> list:
   return out[:n]
 
 
-def did_you_mean(name: tp.Any, sown: tp.Iterable[tp.Any]) -> str:
+def did_you_mean(name: tp.Any, sown: tp.Iterable[tp.Any]) -> str:  # PR: intervene
   """``' Did you mean ...?'`` (empty when nothing is close), then the names
   the program sows (at most 10 of them)."""
   sown = list(dict.fromkeys(sown))

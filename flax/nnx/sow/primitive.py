@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from flax.nnx.sow import _jax
-from flax.nnx.sow import _jax_patches
+from flax.nnx.sow import _jax_patches  # PR: eager
 
 Name = tp.Union[str, tuple[tp.Union[str, int], ...]]
 
@@ -132,7 +132,8 @@ VJP_MARKER = 'vjp'  # a ``kind``, see above
 DERIVATIVE_KINDS = (JVP_MARKER, VJP_MARKER)
 KEPT = 'kept'  # a ``kind``, see above
 HOISTED = 'hoisted'  # a ``kind``, see above
-VALUE_KINDS = ('value', HOISTED)  # what a capture collects as sown values
+# What a capture collects as sown values.
+VALUE_KINDS = ('value', HOISTED)  # PR: custom
 HIDDEN = 'hidden'  # a ``remat_copy`` value, see above
 
 _STAGING = jax.make_user_context(())
@@ -147,7 +148,7 @@ def staging(accepts_key: tp.Any = None):
   The first staging installs the patch inventory (``_jax_patches.py``):
   importing the package replaces nothing in JAX.
   """
-  _jax_patches.install()
+  _jax_patches.install()  # PR: eager
   return _STAGING((*_STAGING.value, accepts_key))
 
 

@@ -55,6 +55,9 @@ REPRESENTATIVE = {
     ],
     'reductions': [
         'tests/test_core.py::SeedExampleTest',
+    ],
+    'perturb': [
+        'tests/test_core.py::OutsideCaptureTest',
         'tests/test_core.py::ErrorTest',
     ],
     'eager': [
@@ -236,6 +239,11 @@ class SeriesTest(parameterized.TestCase):
     self.assertIn('from flax.nnx.sow.capturing import capture', init)
     self.assertNotIn('intervene', init.split('"""')[-1])
     self.assertNotIn('nnx_shims', init.split('"""')[-1])
+    # Without the perturb pull request, sow has no grad= (a TypeError, not
+    # an argument ignored) and there is no perturb.
+    self.assertNotIn('perturb', init.split('"""')[-1])
+    self.assertNotIn('grad: bool', first[pathlib.Path('api.py')])
+    self.assertNotIn(pathlib.Path('cotangents.py'), first)
 
   @parameterized.named_parameters(
       (name, k) for k, name in enumerate(NAMES, 1)

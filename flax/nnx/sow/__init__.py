@@ -36,8 +36,8 @@ from flax.nnx.sow.collect import collect_rules
 from flax.nnx.sow.inject import intervene  # PR: intervene
 from flax.nnx.sow.loop_index import loop_indices  # PR: intervene
 from flax.nnx.sow.names import as_path
-from flax.nnx.sow.names import grad_name
-from flax.nnx.sow.api import perturb
+from flax.nnx.sow.names import grad_name  # PR: perturb
+from flax.nnx.sow.api import perturb  # PR: perturb
 from flax.nnx.sow.api import sow
 from flax.nnx.sow.primitive import sow_p
 from flax.nnx.sow.nnx.state import collected_to_state  # PR: nnx
@@ -54,12 +54,12 @@ __all__ = [
     'collect_rules',
     'collected_to_state',  # PR: nnx
     'flatten_names',  # PR: nnx
-    'grad_name',
+    'grad_name',  # PR: perturb
     'intervene',  # PR: intervene
     'loop_indices',  # PR: intervene
     'module_outputs',  # PR: nnx
     'nnx_shims',  # PR: nnx
-    'perturb',
+    'perturb',  # PR: perturb
     'sow',
     'sow_p',
     'state',  # PR: nnx

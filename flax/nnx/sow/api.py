@@ -30,7 +30,7 @@ the sow.
 
 from __future__ import annotations
 
-import itertools
+import itertools  # PR: perturb
 import typing as tp
 
 import jax
@@ -47,7 +47,7 @@ from flax.nnx.sow.primitive import staging_active
 # Numbers the ``perturb`` calls as they are traced (``ordinal`` in
 # primitive.py): within one backward pass, cotangents arrive in decreasing
 # order, which is how a capture tells passes apart.
-_ORDINALS = itertools.count()
+_ORDINALS = itertools.count()  # PR: perturb
 
 
 def check_name(name: tp.Any, what: str = 'sow') -> Name:
@@ -140,7 +140,7 @@ def sow(
     tag: tp.Hashable = None,
     reduce_fn: tp.Callable[[tp.Any, tp.Any], tp.Any] | None = None,
     init_fn: tp.Callable[[], tp.Any] | None = None,
-    grad: bool = False,
+    grad: bool = False,  # PR: perturb
 ) -> tp.Any:
   """Tags ``value`` as an intermediate that an enclosing ``capture`` collects.
 
@@ -197,14 +197,14 @@ def sow(
       ``grad=True`` comes with a reduction (a cotangent is collected per
       sow, not reduced).
   """
-  if grad and reduce_fn is not None:
+  if grad and reduce_fn is not None:  # PR: perturb
     raise TypeError(
         f'sow {name!r}: grad=True collects the cotangent of every sown value,'
         ' which a reduce_fn/init_fn would fold away. Sow the value to reduce'
         ' under another name, without grad=True.'
     )
   out = sow_site(value, name, tag, reduce_fn, init_fn, fixed_type=True)
-  if grad:
+  if grad:  # PR: perturb
     out = perturb(out, name=names.grad_name(check_name(name)), tag=tag)
   return out
 
@@ -268,7 +268,7 @@ def sow_site(value, name, tag, reduce_fn, init_fn, *, fixed_type: bool):
   return unflatten(treedef, same_objects(value, out))
 
 
-def perturb(value: tp.Any, *, name: Name, tag: tp.Hashable = None) -> tp.Any:
+def perturb(value: tp.Any, *, name: Name, tag: tp.Hashable = None) -> tp.Any:  # PR: perturb
   """Marks ``value`` so that a capture collects the cotangent arriving at it.
 
   Identity in the forward pass and under every transform. When the function

@@ -56,7 +56,7 @@ def as_path(name: Name) -> tuple[tp.Union[str, int], ...]:
   )
 
 
-def grad_name(name: Name) -> tuple[tp.Union[str, int], ...]:
+def grad_name(name: Name) -> tuple[tp.Union[str, int], ...]:  # PR: perturb
   """Where ``sow(..., grad=True)`` collects the cotangent of ``name``.
 
   >>> grad_name(('resid', 0)), grad_name('h')

@@ -423,7 +423,7 @@ def _sow_impl(*leaves, n_closure, **params):
   return leaves[: len(leaves) - n_closure]
 
 
-def _identity_impl(*leaves, **params):
+def _identity_impl(*leaves, **params):  # PR: perturb
   del params
   return leaves
 
@@ -435,7 +435,7 @@ def _sow_abstract_eval(*avals, effect, remat_copy, n_closure, **params):
   return avals, {sow_effect} if effect and not remat_copy else set()
 
 
-def _identity_lowering(ctx, *leaves, **params):
+def _identity_lowering(ctx, *leaves, **params):  # PR: perturb
   del ctx, params
   return leaves
 
@@ -464,16 +464,9 @@ def _sow_jvp(primals, tangents, **params):
   out = sow_p.bind(*primals, **params)
   if key is not None:
     tangents = _replaced_tangents(key, primals[: len(out)], tangents, params)
-  if params['kind'] != 'perturb' or all(type(t) is _jax.Zero for t in tangents):
-    return out, tangents
-  tangents = [_jax.instantiate_zeros(t) for t in tangents]
-  return out, perturb_tangent_p.bind(
-      *tangents,
-      sow_name=params['sow_name'],
-      tag=params['tag'],
-      treedef=params['treedef'],
-      ordinal=params.get('ordinal'),
-  )
+  if params['kind'] == 'perturb':  # PR: perturb
+    return out, perturb_tangents(tangents, params)
+  return out, tangents
 
 
 def _replaced_tangents(key: Intervening, primals, tangents, params) -> list:
@@ -682,14 +675,33 @@ _jax.jet_rules[sow_p] = _sow_jet
 
 # ``perturb_tangent_p``: the tangent of a perturbed value. Linear, the
 # identity; its transpose sows the cotangent (kind ``'cotangent'``).
-perturb_tangent_p = _jax.Primitive('perturb_tangent')
-perturb_tangent_p.multiple_results = True
-perturb_tangent_p.def_impl(_identity_impl)
-perturb_tangent_p.def_abstract_eval(lambda *avals, **params: avals)
-_jax.register_lowering(perturb_tangent_p, _identity_lowering)
+perturb_tangent_p = _jax.Primitive('perturb_tangent')  # PR: perturb
+perturb_tangent_p.multiple_results = True  # PR: perturb
+perturb_tangent_p.def_impl(_identity_impl)  # PR: perturb
+perturb_tangent_p.def_abstract_eval(  # PR: perturb
+    lambda *avals, **params: avals
+)
+_jax.register_lowering(  # PR: perturb
+    perturb_tangent_p, _identity_lowering
+)
 
 
-def _perturb_tangent_jvp(primals, tangents, **params):
+def perturb_tangents(tangents, params) -> list:  # PR: perturb
+  """The tangents of a ``perturb`` marker: through ``perturb_tangent_p``,
+  whose transpose sows the cotangent, unless all are symbolic zeros."""
+  if all(type(t) is _jax.Zero for t in tangents):
+    return tangents
+  tangents = [_jax.instantiate_zeros(t) for t in tangents]
+  return perturb_tangent_p.bind(
+      *tangents,
+      sow_name=params['sow_name'],
+      tag=params['tag'],
+      treedef=params['treedef'],
+      ordinal=params.get('ordinal'),
+  )
+
+
+def _perturb_tangent_jvp(primals, tangents, **params):  # PR: perturb
   tangents = [_jax.instantiate_zeros(t) for t in tangents]
   return (
       perturb_tangent_p.bind(*primals, **params),
@@ -697,7 +709,7 @@ def _perturb_tangent_jvp(primals, tangents, **params):
   )
 
 
-def _perturb_tangent_transpose(
+def _perturb_tangent_transpose(  # PR: perturb
     cts, *args, sow_name, tag, treedef, ordinal
 ):
   cts = [
@@ -714,22 +726,26 @@ def _perturb_tangent_transpose(
   )
 
 
-def _perturb_tangent_batch(axis_data, leaves, dims, **params):
+def _perturb_tangent_batch(axis_data, leaves, dims, **params):  # PR: perturb
   del axis_data
   return perturb_tangent_p.bind(*leaves, **params), list(dims)
 
 
-_jax.primitive_jvps[perturb_tangent_p] = _perturb_tangent_jvp
-_jax.primitive_transposes[perturb_tangent_p] = _perturb_tangent_transpose
-_jax.fancy_primitive_batchers[perturb_tangent_p] = _perturb_tangent_batch
+_jax.primitive_jvps[perturb_tangent_p] = _perturb_tangent_jvp  # PR: perturb
+_jax.primitive_transposes[perturb_tangent_p] = (  # PR: perturb
+    _perturb_tangent_transpose
+)
+_jax.fancy_primitive_batchers[perturb_tangent_p] = (  # PR: perturb
+    _perturb_tangent_batch
+)
 
 
-def _perturb_tangent_jet(primals, series, **params):
+def _perturb_tangent_jet(primals, series, **params):  # PR: perturb
   # The identity on the primal and on every term of its series.
   return perturb_tangent_p.bind(*primals, **params), list(series)
 
 
-_jax.jet_rules[perturb_tangent_p] = _perturb_tangent_jet
+_jax.jet_rules[perturb_tangent_p] = _perturb_tangent_jet  # PR: perturb
 
 
 def _sow_partial_eval_custom(saveable, unks_in, inst_in, eqn):

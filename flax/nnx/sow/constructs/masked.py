@@ -48,7 +48,7 @@ import jax.numpy as jnp
 
 from flax.nnx.sow import _jax
 from flax.nnx.sow import reductions
-from flax.nnx.sow.collect import BranchOrdinal
+from flax.nnx.sow.cotangents import BranchOrdinal
 from flax.nnx.sow.constructs.adapter import hoisted
 from flax.nnx.sow.constructs.adapter import jit_params
 from flax.nnx.sow.constructs.scan import bind_scan

@@ -63,7 +63,7 @@ from flax.nnx.sow.capturing import stage
 from flax.nnx.sow.sites import where
 from flax.nnx.sow.collect import run_with_call_hooks
 from flax.nnx.sow.primitive import DERIVATIVE_KINDS
-from flax.nnx.sow.primitive import Intervening
+from flax.nnx.sow.intervening import Intervening
 from flax.nnx.sow.primitive import JVP_MARKER
 from flax.nnx.sow.primitive import KEPT
 from flax.nnx.sow.primitive import Name

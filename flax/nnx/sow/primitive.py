@@ -127,11 +127,11 @@ sow_p.multiple_results = True
 #   collecting again or a copy; no jaxpr outside that rule holds it.
 
 MARKER_KINDS = ('perturb', 'order')
-JVP_MARKER = 'jvp'  # a ``kind``, see above
-VJP_MARKER = 'vjp'  # a ``kind``, see above
-DERIVATIVE_KINDS = (JVP_MARKER, VJP_MARKER)
-KEPT = 'kept'  # a ``kind``, see above
-HOISTED = 'hoisted'  # a ``kind``, see above
+JVP_MARKER = 'jvp'  # PR: intervene
+VJP_MARKER = 'vjp'  # PR: intervene
+DERIVATIVE_KINDS = (JVP_MARKER, VJP_MARKER)  # PR: intervene
+KEPT = 'kept'  # PR: intervene
+HOISTED = 'hoisted'  # PR: intervene
 # What a capture collects as sown values.
 VALUE_KINDS = ('value', HOISTED)  # PR: custom
 HIDDEN = 'hidden'  # a ``remat_copy`` value, see above
@@ -152,36 +152,14 @@ def staging(accepts_key: tp.Any = None):
   return _STAGING((*_STAGING.value, accepts_key))
 
 
-@dataclasses.dataclass(frozen=True)
-class Intervening:
-  """The staging key of ``intervene`` (``inject.py``): its sows are
-  staged effectful, like a capture's, but no capture accepts them.
-
-  ``names`` (``None``: every name, for a hook that selects its names once
-  the program is staged) and ``tags`` (``None``: every tag) say which sows
-  it replaces; ``arrays``, which of the names by arrays (the others by
-  callables). ``batched_arrays`` records (for errors) the names replaced by
-  arrays whose sown value did not vary over a ``vmap`` it sits in: their
-  results come back batched (see ``_sow_batch``).
-  """
-
-  names: frozenset[Name] | None
-  arrays: frozenset[Name]
-  tags: frozenset | None
-  batched_arrays: list[Name] = dataclasses.field(
-      default_factory=list, compare=False, repr=False
-  )
-
-  def replaces(self, params: dict[str, tp.Any]) -> bool:
-    return (
-        (self.names is None or params['sow_name'] in self.names)
-        and params['kind'] in ('value', 'perturb', KEPT)
-        and (self.tags is None or params['tag'] in self.tags)
-    )
-
-
 def staging_active() -> bool:
   return bool(_STAGING.value)
+
+
+def staging_keys() -> tuple[tp.Any, ...]:  # PR: intervene
+  """The keys of the transforms staging now, outermost first: a capture's
+  ``tags`` key (``sites.accepts``), or an ``intervene``'s."""
+  return _STAGING.value
 
 
 def collectible(params: dict[str, tp.Any]) -> bool:
@@ -197,25 +175,6 @@ def collectible(params: dict[str, tp.Any]) -> bool:
   call), so a capture that runs such a program collects nothing from it.
   """
   return bool(params['effect']) and not params['remat_copy']
-
-
-def staging_captures() -> tuple[tp.Any, ...]:  # PR: loops
-  """The ``tags`` keys (``None``: every tag) of the captures staging now."""
-  return tuple(k for k in _STAGING.value if not isinstance(k, Intervening))
-
-
-def intervening() -> Intervening | None:
-  """The ``intervene`` staging now, if it is the innermost transform staging.
-
-  Its sows must stay where they are, so that a replacement reaches their
-  consumers: a construct that ``jax.vmap`` batches keeps a ``'kept'`` half
-  of each in place and hoists only its result (``constructs/batched.py``).
-  A sow it replaces comes back batched under ``jax.vmap``: a replacement per
-  example has to reach the sow's consumers.
-  """
-  if _STAGING.value and isinstance(_STAGING.value[-1], Intervening):
-    return _STAGING.value[-1]
-  return None
 
 
 PLAIN_SOWS = object()
@@ -288,7 +247,7 @@ def accepts(
 ) -> bool:
   """Whether a capture with ``accepts_key`` collects a sow of ``tag`` and
   ``name``."""
-  if kind == KEPT or kind in DERIVATIVE_KINDS:
+  if kind == KEPT or kind in DERIVATIVE_KINDS:  # PR: intervene
     # Left in place for ``intervene``: a kept sow's value is collected from
     # the ``'hoisted'`` copy (``constructs/batched.py``); a derivative
     # marker is a tangent or cotangent, resolved by the intervene.
@@ -304,28 +263,6 @@ def accepts(
         accepts_key.tags is None or tag in accepts_key.tags
     ) and accepts_key.accepts_name(name)
   return tag in accepts_key
-
-
-def replacing(params: dict[str, tp.Any]) -> Intervening | None:
-  """The ``intervene`` whose staging replaces the sow with ``params``.
-
-  The innermost staging transform that takes the sow decides: a capture
-  that accepts it collects it (the intervenes around never see it), an
-  intervene that replaces it replaces it; the others leave it to the next.
-  """
-  for key in reversed(_STAGING.value):
-    if isinstance(key, Intervening):
-      if key.replaces(params):
-        return key
-    elif accepts(
-        key,
-        params['tag'],
-        params['reduction'],
-        params['kind'],
-        params['sow_name'],
-    ):
-      return None
-  return None
 
 
 class _Bound(threading.local):  # PR: custom
@@ -450,83 +387,13 @@ _jax.register_lowering(sow_p, _sow_lowering)
 
 def _sow_jvp(primals, tangents, **params):
   # A sow marks the primal value; tangents pass through untouched (so
-  # ``jax.grad`` collects primals), unless an ``intervene`` staging now
-  # replaces the sow. A ``perturb`` marker routes its tangent through
-  # ``perturb_tangent_p``, whose transpose sows the cotangent.
-  if params['kind'] in DERIVATIVE_KINDS:
-    return _marker_jvp(primals, tangents, params)
+  # ``jax.grad`` collects primals). A ``perturb`` marker routes its tangent
+  # through ``perturb_tangent_p``, whose transpose sows the cotangent.
   tangents = list(tangents[: len(tangents) - params['n_closure']])
-  key = replacing(params) if params['effect'] else None
-  if key is not None and params['sow_name'] in key.arrays:
-    # Its tangent is taken to be zero: the intervene checks that an entry
-    # does replace it (``zero_tangent``, see ``inject.py``).
-    params = dict(params, zero_tangent=True)
   out = sow_p.bind(*primals, **params)
-  if key is not None:
-    tangents = _replaced_tangents(key, primals[: len(out)], tangents, params)
   if params['kind'] == 'perturb':  # PR: perturb
     return out, perturb_tangents(tangents, params)
   return out, tangents
-
-
-def _replaced_tangents(key: Intervening, primals, tangents, params) -> list:
-  """The tangents of a sow that the ``intervene`` of ``key`` replaces.
-
-  An array replacement is a constant: zero tangents. A callable's tangent
-  is a ``'jvp'`` marker, resolved by the intervene's rewrite with the
-  callable of its call (not traced here, where a ``jax.jit`` inside would
-  cache it for the next callable).
-  """
-  if all(type(t) is _jax.Zero for t in tangents):
-    return tangents
-  if params['sow_name'] in key.arrays:
-    return [_jax.Zero(_jax.typeof(x).to_tangent_aval()) for x in primals]
-  return bind_marker(
-      JVP_MARKER, [_jax.instantiate_zeros(t) for t in tangents], primals, params
-  )
-
-
-def bind_marker(kind: str, linear, primals, params) -> list:
-  """Binds a derivative marker of ``kind`` for the sow with ``params``."""
-  return sow_p.bind(
-      *linear,
-      *primals,
-      sow_name=params['sow_name'],
-      tag=params['tag'],
-      treedef=params['treedef'],
-      reduction=None,
-      kind=kind,
-      batch_dims=params['batch_dims'],
-      n_closure=len(primals),
-      effect=False,
-      remat_copy=False,
-  )
-
-
-def _second_order_error(params) -> NotImplementedError:
-  name = params['sow_name']
-  return NotImplementedError(
-      f'intervene: sow {name!r} is replaced by a callable, and a derivative'
-      ' of second order taken inside the intervened function (jax.hessian,'
-      ' jax.jvp of jax.grad, ...) differentiates the derivative of'
-      f' values[{name!r}] at the sown value, which intervene does not'
-      ' support. Put that transform outside: jax.hessian(intervene(f,'
-      ' values)) is exact; or replace the name by an array.'
-  )
-
-
-def _marker_jvp(primals, tangents, params):
-  # A marker is linear in its leading operands; its derivative with
-  # respect to the sown value (the closure) would be of second order.
-  n = len(primals) - params['n_closure']
-  if any(type(t) is not _jax.Zero for t in tangents[n:]):
-    raise _second_order_error(params)
-  out = sow_p.bind(*primals, **params)
-  linear = tangents[:n]
-  if all(type(t) is _jax.Zero for t in linear):
-    return out, list(linear)
-  linear = [_jax.instantiate_zeros(t) for t in linear]
-  return out, sow_p.bind(*linear, *primals[n:], **params)
 
 
 _jax.primitive_jvps[sow_p] = _sow_jvp
@@ -534,80 +401,15 @@ _jax.primitive_jvps[sow_p] = _sow_jvp
 
 def _sow_transpose(cts, *args, **params):
   # A sow on a tangent (e.g. in a custom_jvp rule) is the identity: the
-  # cotangent passes through and nothing is sown on it. A derivative
-  # marker transposes to the other one, on the same primals.
-  n_closure = params['n_closure']
-  if params['kind'] not in DERIVATIVE_KINDS:
-    return [*cts, *([None] * n_closure)]
-  primals = args[len(args) - n_closure :]
-  if any(_jax.is_undefined_primal(x) for x in primals):
-    raise _second_order_error(params)
-  if all(type(ct) is _jax.Zero for ct in cts):
-    return [None] * len(args)
-  other = VJP_MARKER if params['kind'] == JVP_MARKER else JVP_MARKER
-  cts = [_jax.instantiate_zeros(ct) for ct in cts]
-  return [*bind_marker(other, cts, primals, params), *([None] * n_closure)]
+  # cotangent passes through and nothing is sown on it.
+  del args
+  return [*cts, *([None] * params['n_closure'])]
 
 
 _jax.primitive_transposes[sow_p] = _sow_transpose
 
 
-def _replaced_by_callable_unbatched(key, params, dims) -> bool:
-  """Whether an intervene being staged replaces this unbatched plain sow by
-  a callable (it then stays unbatched where it is, see _kept_unbatched)."""
-  return (
-      key is not None
-      and params['effect']
-      and params['kind'] == 'value'
-      and params['reduction'] is None
-      and all(d is None for d in dims)
-      and key.replaces(params)
-      and params['sow_name'] not in key.arrays
-  )
-
-
-class _RuleAxes(threading.local):  # PR: custom
-  """The vmaps of JAX's JVP of ``custom_vmap`` rules running on this thread."""
-
-  axes: tuple[tp.Any, ...] = ()
-
-
-_RULE_AXES = _RuleAxes()  # PR: custom
-
-
-@contextlib.contextmanager
-def rule_axis(axis_data):  # PR: custom
-  """Marks ``axis_data`` as the vmap of a ``custom_vmap`` rule's JVP.
-
-  JAX differentiates a ``custom_vmap`` function's vmap rule under a vmap of
-  its own (``custom_vmap_jvp``) that maps the arguments whose primal or
-  tangent alone is batched. ``constructs/custom.py`` marks it only where it
-  maps none of the rule's arguments: the rule then received each with its
-  batch axis in place (or unbatched), so what it sows is its value as it
-  sows it, and is not broadcast.
-  """
-  outer = _RULE_AXES.axes
-  _RULE_AXES.axes = (*outer, axis_data)
-  try:
-    yield
-  finally:
-    _RULE_AXES.axes = outer
-
-
-def _unmapped_on_rule_axis(axis_data, dims) -> bool:  # PR: custom
-  """Whether the value does not vary over the vmap of a ``custom_vmap``
-  rule's JVP (``rule_axis``): the rule's value, as it sows it."""
-  on_rule_axis = any(a is axis_data for a in _RULE_AXES.axes)
-  return on_rule_axis and all(d is None for d in dims)
-
-
 def _sow_batch(axis_data, leaves, dims, **params):
-  if _unmapped_on_rule_axis(axis_data, dims):  # PR: custom
-    outs = sow_p.bind(*leaves, **params)
-    return outs, [None] * len(outs)
-  key = intervening()
-  if _replaced_by_callable_unbatched(key, params, dims):
-    return _kept_unbatched(axis_data, leaves, params)
   # The sown value gets the mapped axis first, like vmap's outputs; the
   # results keep the operands' own axes, so the sow stays an identity.
   moved = [
@@ -616,30 +418,8 @@ def _sow_batch(axis_data, leaves, dims, **params):
   params = dict(params, batch_dims=params['batch_dims'] + 1)
   outs = sow_p.bind(*moved, **params)
   n = len(outs)  # the closure is batched with the value, not returned
-  if params['kind'] in DERIVATIVE_KINDS:
-    return outs, [0] * n  # a function of the value and the tangent
-  if key is not None and params['effect'] and key.replaces(params):
-    # ``intervene`` may replace the value per example: every leaf comes
-    # back batched. (Only such sows: an unbatched result stays unbatched,
-    # as ``vmap(..., out_axes=None)`` and ``jacfwd`` require.)
-    if params['sow_name'] in key.arrays and all(d is None for d in dims):
-      key.batched_arrays.append(params['sow_name'])
-    return outs, [0] * n
   outs = [o if d is not None else x for o, x, d in zip(outs, leaves, dims)]
   return outs, [None if d is None else 0 for d in dims[:n]]
-
-
-def _kept_unbatched(axis_data, leaves, params):
-  # A value that does not vary over the axis, replaced by a callable: the
-  # sow stays unbatched where it is (``'kept'``, replaced there), so its
-  # result stays unbatched (``jax.jacfwd`` needs its primal so); a capture
-  # collects that result with the axis first, from a ``'hoisted'`` copy.
-  kept = sow_p.bind(*leaves, **dict(params, kind=KEPT))
-  moved = [mapped_axis_first(x, None, axis_data.size) for x in kept]
-  sow_p.bind(
-      *moved, **dict(params, kind=HOISTED, batch_dims=params['batch_dims'] + 1)
-  )
-  return kept, [None] * len(kept)
 
 
 def mapped_axis_first(x, dim: int | None, size: int):
@@ -656,18 +436,7 @@ def _sow_jet(primals, series, **params):
   # ``jax.experimental.jet``: the sow marks the primal (so a capture around
   # the jet collects it); the Taylor series pass through, as tangents do.
   out = sow_p.bind(*primals, **params)
-  key = replacing(params) if params['effect'] else None
-  if key is None and params['kind'] not in DERIVATIVE_KINDS:
-    return out, list(series[: len(out)])
-  if key is not None and params['sow_name'] in key.arrays:
-    # A constant replacement: every term of its series is zero.
-    return out, [[jnp.zeros_like(x)] * len(s) for x, s in zip(out, series)]
-  raise NotImplementedError(
-      f'intervene: sow {params["sow_name"]!r} is replaced by a callable inside'
-      ' jax.experimental.jet, which intervene cannot differentiate there.'
-      ' Put jet outside intervene (jet(intervene(f, values), ...)), or'
-      ' replace the name by an array.'
-  )
+  return out, list(series[: len(out)])
 
 
 _jax.jet_rules[sow_p] = _sow_jet
@@ -752,9 +521,6 @@ def _sow_partial_eval_custom(saveable, unks_in, inst_in, eqn):
   """Partial evaluation for remat: the sow runs in the known program only."""
   del saveable
   n = len(eqn.outvars)  # the sown leaves; the closure operands follow
-  if eqn.params['kind'] in DERIVATIVE_KINDS and not any(unks_in):
-    # A computation, not a collection: known, saved where needed.
-    return eqn, None, [False] * n, [False] * n, []
   if any(unks_in):
     # A sow of a value only known later is staged whole; its known inputs
     # that the staged program does not compute become residuals.
@@ -767,10 +533,6 @@ def _sow_partial_eval_custom(saveable, unks_in, inst_in, eqn):
   # Known: collect here; where the staged program recomputes the operand, it
   # recomputes the result with an effect-free copy instead of saving it.
   keep = [i for i, inst in enumerate(inst_in[:n]) if inst]
-  if eqn.params['effect'] and replacing(eqn.params) is not None:
-    # An ``intervene`` replaces it here: a recomputation would see the
-    # value before the replacement, so the replaced value is saved instead.
-    return eqn, None, [False] * n, [False] * n, []
   staged = None
   if keep:
     staged = _jax.new_jaxpr_eqn(

@@ -25,7 +25,7 @@ after the construct with the mapped axis first (:func:`sow_again`); markers
 before the construct keep each name's order of first sow
 (:func:`mark_order`). This file holds that shared half.
 
-While ``intervene`` stages its function (``primitive.intervening()``), a
+While ``intervene`` stages its function (``intervening.intervening()``), a
 sow must stay where its value is used, so that a replacement reaches its
 consumers; a capture around the intervene must still get the value hoisted,
 with the mapped axis first and only for the branch taken, as it gets from

@@ -58,8 +58,8 @@ from flax.nnx.sow.constructs.masked import masked_branches
 from flax.nnx.sow.constructs.masked import rules as masked_rules
 from flax.nnx.sow.inject import intervene_rules
 from flax.nnx.sow.primitive import MARKER_KINDS
-from flax.nnx.sow.primitive import intervening
-from flax.nnx.sow.primitive import staging_captures
+from flax.nnx.sow.intervening import intervening
+from flax.nnx.sow.intervening import staging_captures
 from flax.nnx.sow.reductions import strong
 from flax.nnx.sow.sites import PLAIN_SOWS
 from flax.nnx.sow.sites import accepts

@@ -40,7 +40,9 @@ What a sow inside does:
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 import typing as tp
 
 import jax
@@ -61,9 +63,10 @@ from flax.nnx.sow.inject import eval_intervening
 from flax.nnx.sow.inject import intervene_rules
 from flax.nnx.sow.inject import one_body
 from flax.nnx.sow.inject import one_scope
+from flax.nnx.sow import intervening  # pylint: disable=unused-import
 from flax.nnx.sow.primitive import VALUE_KINDS
 from flax.nnx.sow.primitive import last_sow_bound
-from flax.nnx.sow.primitive import rule_axis
+from flax.nnx.sow.primitive import sow_p
 from flax.nnx.sow.primitive import sows_bound
 from flax.nnx.sow.primitive import staging
 from flax.nnx.sow.primitive import staging_active
@@ -819,7 +822,58 @@ def _custom_vmap_intervene(injector, eqn, invals):
 # tangent alone is batched and hands the others to the rule with their batch
 # axis in place. Where it maps none of them, the rule's sows are already
 # batched, so that vmap must not broadcast them again
-# (``primitive.rule_axis``); where it maps some, it is a vmap of the rule.
+# (:func:`rule_axis`); where it maps some, it is a vmap of the rule.
+
+
+class _RuleAxes(threading.local):
+  """The vmaps of JAX's JVP of ``custom_vmap`` rules running on this thread."""
+
+  axes: tuple[tp.Any, ...] = ()
+
+
+_RULE_AXES = _RuleAxes()
+
+
+@contextlib.contextmanager
+def rule_axis(axis_data):
+  """Marks ``axis_data`` as the vmap of a ``custom_vmap`` rule's JVP.
+
+  JAX differentiates a ``custom_vmap`` function's vmap rule under a vmap of
+  its own (``custom_vmap_jvp``) that maps the arguments whose primal or
+  tangent alone is batched. ``constructs/custom.py`` marks it only where it
+  maps none of the rule's arguments: the rule then received each with its
+  batch axis in place (or unbatched), so what it sows is its value as it
+  sows it, and is not broadcast.
+  """
+  outer = _RULE_AXES.axes
+  _RULE_AXES.axes = (*outer, axis_data)
+  try:
+    yield
+  finally:
+    _RULE_AXES.axes = outer
+
+
+def _unmapped_on_rule_axis(axis_data, dims) -> bool:
+  """Whether the value does not vary over the vmap of a ``custom_vmap``
+  rule's JVP (``rule_axis``): the rule's value, as it sows it."""
+  on_rule_axis = any(a is axis_data for a in _RULE_AXES.axes)
+  return on_rule_axis and all(d is None for d in dims)
+
+
+def _rule_axis_batch(core_batch, axis_data, leaves, dims, **params):
+  # A sow of a value that does not vary over the vmap of a ``custom_vmap``
+  # rule's JVP stays as the rule sows it.
+  if _unmapped_on_rule_axis(axis_data, dims):
+    outs = sow_p.bind(*leaves, **params)
+    return outs, [None] * len(outs)
+  return core_batch(axis_data, leaves, dims, **params)
+
+
+_core_sow_batch = _jax.fancy_primitive_batchers[sow_p]
+_jax.fancy_primitive_batchers[sow_p] = functools.partial(
+    _rule_axis_batch, _core_sow_batch
+)
+
 
 
 class _RuleUnderJvp:

@@ -51,7 +51,7 @@ import threading
 from flax.nnx.sow import _jax
 from flax.nnx.sow import _jax_patches
 from flax.nnx.sow.primitive import HIDDEN
-from flax.nnx.sow.primitive import replacing
+from flax.nnx.sow.intervening import replacing
 from flax.nnx.sow.primitive import sow_effect
 from flax.nnx.sow.primitive import sow_p
 from flax.nnx.sow.sites import edit_sows

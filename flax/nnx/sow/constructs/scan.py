@@ -46,8 +46,8 @@ from flax.nnx.sow.constructs.batched import mark_order
 from flax.nnx.sow.constructs.batched import sow_again
 from flax.nnx.sow.inject import intervene_rules
 from flax.nnx.sow.inject import one_body
-from flax.nnx.sow.primitive import intervening
-from flax.nnx.sow.primitive import staging_captures
+from flax.nnx.sow.intervening import intervening
+from flax.nnx.sow.intervening import staging_captures
 from flax.nnx.sow.sites import PLAIN_SOWS
 from flax.nnx.sow.sites import construct_names
 from flax.nnx.sow.sites import sow_sites

@@ -73,7 +73,7 @@ from flax.nnx.sow.inject import intervene_rules
 from flax.nnx.sow.primitive import MARKER_KINDS
 from flax.nnx.sow.primitive import sow_p
 from flax.nnx.sow.primitive import staging_active
-from flax.nnx.sow.primitive import staging_captures
+from flax.nnx.sow.intervening import staging_captures
 from flax.nnx.sow.reductions import Accumulator
 from flax.nnx.sow.sites import ShardAxes
 from flax.nnx.sow.sites import SowSite

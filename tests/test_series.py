@@ -53,6 +53,10 @@ REPRESENTATIVE = {
         'tests/test_core.py::CheckpointTest',
         'tests/test_core.py::TagTest',
     ],
+    'toplevel': [
+        'tests/test_toplevel.py::UnderJitTest',
+        'tests/test_core.py::ThreadTest',
+    ],
     'reductions': [
         'tests/test_core.py::SeedExampleTest',
     ],

@@ -27,6 +27,7 @@ the first ``capture`` or ``intervene`` stages its function. See
 """
 
 from flax.nnx.sow import constructs as _constructs  # registers every construct
+from flax.nnx.sow import toplevel as _toplevel  # PR: toplevel
 from flax.nnx.sow import accumulators as _accumulators  # PR: reductions
 from flax.nnx.sow.nnx import shims as nnx_shims  # PR: nnx
 from flax.nnx.sow.nnx import state  # PR: nnx
@@ -67,4 +68,5 @@ __all__ = [
 ]
 
 del _constructs
+del _toplevel  # PR: toplevel
 del _accumulators  # PR: reductions

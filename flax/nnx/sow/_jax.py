@@ -134,7 +134,7 @@ def binder_types(jaxpr: Jaxpr | ClosedJaxpr) -> list[tp.Any]:
 
 Trace = core.Trace
 set_current_trace = core.set_current_trace
-current_source_info = source_info_util.current
+current_source_info = source_info_util.current  # PR: toplevel
 eval_jaxpr = core.eval_jaxpr
 trace_ctx = core.trace_ctx
 convert_constvars_jaxpr = pe.convert_constvars_jaxpr
@@ -167,7 +167,7 @@ def is_eval_trace(trace) -> bool:  # PR: eager
   return isinstance(trace, core.EvalTrace)
 
 
-def jit_disabled() -> bool:
+def jit_disabled() -> bool:  # PR: toplevel
   """Whether ``jax.disable_jit()`` is in force."""
   return bool(jax_config.disable_jit.value)
 
@@ -298,7 +298,7 @@ def wrap_init(fn: tp.Callable, name: str, num_args: int) -> lu.WrappedFun:
   return lu.wrap_init(fn, debug_info=debug_info(name, num_args))
 
 
-def _stores(fun: lu.WrappedFun) -> list[lu.Store]:
+def _stores(fun: lu.WrappedFun) -> list[lu.Store]:  # PR: toplevel
   return [
       s._store if isinstance(s, lu.EqualStore) else s  # pylint: disable=protected-access
       for s in fun.stores
@@ -306,12 +306,12 @@ def _stores(fun: lu.WrappedFun) -> list[lu.Store]:
   ]
 
 
-def stores_filled(fun: lu.WrappedFun) -> bool:
+def stores_filled(fun: lu.WrappedFun) -> bool:  # PR: toplevel
   """Whether calling ``fun`` has written its auxiliary outputs."""
   return any(bool(s) for s in _stores(fun))
 
 
-def reset_stores(fun: lu.WrappedFun) -> None:
+def reset_stores(fun: lu.WrappedFun) -> None:  # PR: toplevel
   """Forgets the auxiliary outputs calling ``fun`` wrote."""
   for s in _stores(fun):
     s.reset()
@@ -356,7 +356,7 @@ def trace_to_closed_jaxpr(
   return ClosedJaxpr(jaxpr, consts)
 
 
-def with_source_info(closed: ClosedJaxpr, source_info) -> ClosedJaxpr:
+def with_source_info(closed: ClosedJaxpr, source_info) -> ClosedJaxpr:  # PR: toplevel
   """``closed`` with ``source_info`` on each of its top-level equations."""
   eqns = [e.replace(source_info=source_info) for e in closed.jaxpr.eqns]
   return ClosedJaxpr(closed.jaxpr.replace(eqns=eqns), closed.consts)
@@ -445,7 +445,7 @@ def eval_fold(closed: ClosedJaxpr, args: tp.Sequence[tp.Any]) -> list:  # PR: re
   return [as_value(read(v)) for v in jaxpr.outvars]
 
 
-def eval_into_current_trace(
+def eval_into_current_trace(  # PR: toplevel
     jaxpr: Jaxpr, consts: tp.Sequence[tp.Any], args: tp.Sequence[tp.Any]
 ) -> list[tp.Any]:
   """``eval_jaxpr``, but copying the equations when staging into a jaxpr.

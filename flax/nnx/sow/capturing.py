@@ -42,7 +42,6 @@ from flax.nnx.sow import api
 from flax.nnx.sow import names as names_lib
 from flax.nnx.sow import primitive as primitive_lib
 from flax.nnx.sow import sites
-from flax.nnx.sow import toplevel
 from flax.nnx.sow.primitive import Name
 from flax.nnx.sow.primitive import passed_over
 from flax.nnx.sow.primitive import staging
@@ -404,16 +403,42 @@ def stage(
   return Staged(closed, arrays, out_tree, static_out, out_is_array)
 
 
+Runner = tp.Callable[..., tuple[tp.Any, Collected]]
+
+runners: list[Runner] = []
+"""How a capture runs its function, last one registered:
+``runner(f, accepts_key, args, kwargs) -> (out, collected)``.
+``toplevel.py`` registers ``trace_and_collect``, which runs ``f`` on the
+caller's trace and collects its sows as they are bound; without it a capture
+stages ``f`` whole (:func:`stage`) and evaluates the staged program with the
+interpreter (:func:`collect_staged`)."""
+
+
 def stage_and_collect(
     f: tp.Callable[..., tp.Any],
     accepts_key: frozenset | None,
     args: tuple[tp.Any, ...],
     kwargs: dict[str, tp.Any],
 ) -> tuple[tp.Any, Collected]:
-  """``capture``'s work once graph nodes are split: run ``f`` with
-  ``toplevel.trace_and_collect``, which collects its sows as they are
-  bound."""
-  return toplevel.trace_and_collect(f, accepts_key, args, kwargs)
+  """``capture``'s work once graph nodes are split: run ``f``, collecting
+  its sows, with the last registered of :data:`runners`."""
+  run = runners[-1] if runners else collect_staged
+  return run(f, accepts_key, args, kwargs)
+
+
+def collect_staged(f, accepts_key, args, kwargs) -> tuple[tp.Any, Collected]:
+  """Stages ``f(*args, **kwargs)`` into a jaxpr and evaluates it on the
+  caller's trace, collecting its sows (the interpreter of sub-jaxprs, run on
+  the whole program, as ``checkify`` does)."""
+  staging_key = sites.for_call(accepts_key)
+  try:
+    staged = stage(f, staging_key, args, kwargs)
+  finally:
+    sites.release(staging_key)
+  collector = Collector(accepts_key, python_folds=True)
+  closed = staged.closed
+  outs = eval_collecting(closed.jaxpr, closed.consts, staged.arrays, collector)
+  return staged.output(outs), collector.result()
 
 
 def _live(params: dict, in_custom_call: bool) -> dict | None:
@@ -462,9 +487,7 @@ def rewrite_program(
 
   def fn(*args):
     if top_level:
-      outs, collected = toplevel.trace_and_collect(
-          replay, accepts_key, args, {}
-      )
+      outs, collected = stage_and_collect(replay, accepts_key, args, {})
     else:
       collector = Collector(accepts_key)
       outs = eval_collecting(closed.jaxpr, closed.consts, args, collector)

@@ -48,6 +48,7 @@ import typing as tp
 
 from flax.nnx.sow import _jax
 from flax.nnx.sow import _jax_patches  # PR: eager
+from flax.nnx.sow import capturing
 from flax.nnx.sow import collect as capture_lib
 from flax.nnx.sow import sites
 from flax.nnx.sow.primitive import eager_capture  # PR: eager
@@ -420,3 +421,6 @@ def _call_on(parent, collector, f, args, kwargs):
       return f(*args, **kwargs)
   finally:
     trace.invalidate()
+
+
+capturing.runners.append(trace_and_collect)

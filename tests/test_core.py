@@ -1108,6 +1108,36 @@ def tagged(x):
   return x * 2.0
 
 
+class NameKeysTest(absltest.TestCase):
+  """A ``names=`` callable written inline at every call is a new object each
+  time; the capture compares it by what it selects, so a ``jax.jit``
+  function inside is traced once."""
+
+  def test_inline_lambda_traces_a_jitted_function_once(self):
+    traces = []
+
+    @jax.jit
+    def f(x):
+      traces.append(None)
+      return sow(x * 2.0, name='a') + sow(x, name='b')
+
+    for i in range(4):
+      x = jnp.full((2,), float(i))
+      out, collected = capture(f, names=lambda n: n == 'a')(x)
+      np.testing.assert_allclose(out, 3.0 * i)
+      self.assertEqual(list(collected), ['a'])
+      np.testing.assert_allclose(collected['a'][0], 2.0 * i)
+    self.assertLen(traces, 1)
+
+  def test_a_lambda_that_selects_other_names_is_honoured(self):
+    f = jax.jit(lambda x: sow(x + 1.0, name='a') * sow(x, name='b'))
+    x = jnp.ones(3)
+    for wanted, value in (('a', 2.0), ('b', 1.0), ('a', 2.0)):
+      _, collected = capture(f, names=lambda n, w=wanted: n == w)(x)
+      self.assertEqual(list(collected), [wanted])
+      np.testing.assert_allclose(collected[wanted][0], np.full(3, value))
+
+
 class TagTest(absltest.TestCase):
   x = np.array([1.0, 2.0], np.float32)
 

@@ -57,12 +57,19 @@ REPRESENTATIVE = {
         'tests/test_toplevel.py::UnderJitTest',
         'tests/test_core.py::ThreadTest',
     ],
+    'name_keys': [
+        'tests/test_core.py::NameKeysTest',
+    ],
     'reductions': [
         'tests/test_core.py::SeedExampleTest',
     ],
     'perturb': [
         'tests/test_core.py::OutsideCaptureTest',
         'tests/test_core.py::ErrorTest',
+    ],
+    'collected': [
+        'tests/test_display.py::ReprTest',
+        'tests/test_display.py::TreescopeTest',
     ],
     'eager': [
         'tests/test_core.py::EagerJittedTest',

@@ -139,7 +139,7 @@ def capture(
 
   @functools.wraps(f)
   def captured(*args, **kwargs):
-    key = sites.for_call(accepts_key)  # see sites.NameDecisions
+    key = sites.for_call(accepts_key)  # see name_keys.NameDecisions
     try:
       with passed_over() as seen:
         out = call(key, args, kwargs)
@@ -225,7 +225,7 @@ class _EagerJitted:  # PR: eager
   ``jax.jit``'s fast path: the eager overhead of the rewrite goes away.
   The compiled functions are kept per ``f`` (weakly), so a new
   ``capture(f)`` of the same ``f`` reuses them; the selection is a static
-  argument of each, compared by what it selects (``sites.NameDecisions``).
+  argument of each, compared by what it selects (``name_keys.NameDecisions``).
   """
 
   _MAX_ENTRIES = 64

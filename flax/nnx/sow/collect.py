@@ -37,7 +37,7 @@ exactly as it was, so custom rules and compiled ``jit`` entries are kept.
 from __future__ import annotations
 
 import dataclasses
-import json
+import json  # PR: collected
 import threading
 import typing as tp
 import weakref
@@ -48,7 +48,7 @@ import numpy as np
 
 from flax.nnx.sow import _jax
 from flax.nnx.sow import cotangents  # PR: perturb
-from flax.nnx.sow import display
+from flax.nnx.sow import display  # PR: collected
 from flax.nnx.sow.primitive import MARKER_KINDS
 from flax.nnx.sow.primitive import Name
 from flax.nnx.sow.primitive import collectible
@@ -441,11 +441,11 @@ class Collected(dict):
 
   cotangents: frozenset = frozenset()
 
-  def __repr__(self) -> str:
+  def __repr__(self) -> str:  # PR: collected
     """A table: one row per name (entries, leaf dtypes and shapes)."""
     return display.text(self, self.cotangents)
 
-  def __treescope_repr__(self, path, subtree_renderer):
+  def __treescope_repr__(self, path, subtree_renderer):  # PR: collected
     return display.treescope_repr(self, path, subtree_renderer)
 
 
@@ -467,7 +467,7 @@ jax.tree_util.register_pytree_with_keys(
 )
 
 
-def _name_to_json(name: tp.Any) -> tp.Any:
+def _name_to_json(name: tp.Any) -> tp.Any:  # PR: collected
   if isinstance(name, str):
     return name
   if (
@@ -486,11 +486,11 @@ def _name_to_json(name: tp.Any) -> tp.Any:
   )
 
 
-def _name_from_json(name: tp.Any) -> Name:
+def _name_from_json(name: tp.Any) -> Name:  # PR: collected
   return name if isinstance(name, str) else tuple(name)
 
 
-def _serialize_collected_aux(aux) -> bytes:
+def _serialize_collected_aux(aux) -> bytes:  # PR: collected
   keys, cotangents = aux
   # The cotangent names in key order, so equal aux data give equal bytes.
   marked = [k for k in keys if k in cotangents]
@@ -503,7 +503,7 @@ def _serialize_collected_aux(aux) -> bytes:
   ).encode('utf-8')
 
 
-def _deserialize_collected_aux(data: bytes):
+def _deserialize_collected_aux(data: bytes):  # PR: collected
   aux = json.loads(data.decode('utf-8'))
   keys = tuple(_name_from_json(k) for k in aux['keys'])
   return keys, frozenset(_name_from_json(k) for k in aux['cotangents'])
@@ -512,7 +512,7 @@ def _deserialize_collected_aux(data: bytes):
 # ``jax.export``'s ``Exported.serialize`` writes the in and out trees of the
 # exported function; a capture returns a Collected, so it must be known there
 # (with its key order and its cotangent mark).
-jax.export.register_pytree_node_serialization(
+jax.export.register_pytree_node_serialization(  # PR: collected
     Collected,
     serialized_name='flax.nnx.sow.Collected',
     serialize_auxdata=_serialize_collected_aux,
@@ -542,23 +542,23 @@ def cached(
   collected (``inject.Injector.cached``). Where ``keep()`` is false after the
   build, the result is not memoised.
   """
-  if owner is not None:
+  if owner is not None:  # PR: intervene
     key = (*key, id(owner))
   per_source = _rewrite_cache.get(source)
   if per_source is not None and key in per_source:
     return per_source[key]
   result = build()
-  if keep is not None and not keep():
+  if keep is not None and not keep():  # PR: intervene
     return result
   with _rewrite_lock:
     _rewrite_cache.setdefault(source, {})[key] = result
-  if owner is not None:
+  if owner is not None:  # PR: intervene
     # Runs before the owner's id can be reused.
     weakref.finalize(owner, _evict, weakref.ref(source), key)
   return result
 
 
-def _evict(source_ref, key) -> None:
+def _evict(source_ref, key) -> None:  # PR: intervene
   source = source_ref()
   if source is None:
     return
@@ -739,7 +739,7 @@ _NO_RULE = {
         'Sow the value outside that construct (return it from it and sow'
         ' the result)',
     ),
-    'intervene': (
+    'intervene': (  # PR: intervene
         'replace',
         'flax.nnx.sow.inject.intervene_rules',
         'Replace the value outside that construct (return it from it and'

@@ -190,7 +190,7 @@ class Selection:
 
   ``tags`` is ``None`` (every tag) or a frozenset; ``names`` a frozenset of
   names or a callable ``name -> bool`` (in the key of one call, a
-  ``sites.NameDecisions``, see ``sites.for_call``). A capture without
+  ``name_keys.NameDecisions``, see ``sites.for_call``). A capture without
   ``names`` keeps its ``tags`` (``None`` or a frozenset) as its key.
   """
 

@@ -24,12 +24,12 @@ new JAX release is adapted in this file alone. The tested range is declared in
 from __future__ import annotations
 
 import contextlib
-import os
+import os  # PR: intervene
 import typing as tp
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+import numpy as np  # PR: reductions
 
 # The JAX versions these aliases were written and tested against (also in
 # pyproject.toml). Outside the range a renamed internal would fail somewhere
@@ -64,24 +64,23 @@ check_jax_version(jax.__version__)
 # (after the version check, so an untested JAX gets its message first)
 from jax._src import core
 from jax._src import custom_batching  # PR: custom
-from jax._src import custom_derivatives
+from jax._src import custom_derivatives  # PR: custom
 from jax._src import effects
 from jax._src import linear_util as lu
-from jax._src import config as jax_config
-from jax._src import mesh as mesh_lib
-from jax._src import pjit as pjit_lib
+from jax._src import config as jax_config  # PR: toplevel
+from jax._src import mesh as mesh_lib  # PR: reductions
+from jax._src import pjit as pjit_lib  # PR: eager
 from jax._src import shard_map as shard_map_lib  # PR: shard_map
-from jax._src import sharding_impls
 from jax._src import source_info_util
-from jax._src import stages
-from jax._src import util as jax_util
+from jax._src import stages  # PR: eager
+from jax._src import util as jax_util  # PR: reductions
 from jax._src.interpreters import ad
 from jax._src.interpreters import batching
 from jax._src.interpreters import mlir
 from jax._src.interpreters import partial_eval as pe
-from jax._src.lax import control_flow as lax_control_flow
+from jax._src.lax import control_flow as lax_control_flow  # PR: partial_eval
 from jax._src.named_sharding import UNSPECIFIED
-from jax._src.state import types as state_types
+from jax._src.state import types as state_types  # PR: reductions
 from jax.experimental import jet as jet_lib
 from jax.extend import core as jex_core
 from jax.extend.core import primitives as jex_primitives
@@ -97,26 +96,26 @@ Literal = jex_core.Literal
 Var = jex_core.Var
 Primitive = jex_core.Primitive
 Effect = jex_core.Effect
-Zero = ad.Zero
+Zero = ad.Zero  # PR: perturb
 ShapedArray = core.ShapedArray
 
 jit_p = jex_primitives.jit_p
 closed_call_p = jex_primitives.closed_call_p
 call_p = jex_primitives.call_p
 remat_p = jex_primitives.remat_p
-custom_jvp_call_p = jex_primitives.custom_jvp_call_p
-custom_vjp_call_p = jex_primitives.custom_vjp_call_p
-scan_p = jex_primitives.scan_p
-while_p = jex_primitives.while_p
-cond_p = jex_primitives.cond_p
+custom_jvp_call_p = jex_primitives.custom_jvp_call_p  # PR: toplevel
+custom_vjp_call_p = jex_primitives.custom_vjp_call_p  # PR: toplevel
+scan_p = jex_primitives.scan_p  # PR: loops
+while_p = jex_primitives.while_p  # PR: loops
+cond_p = jex_primitives.cond_p  # PR: reductions
 # The forward pass of a ``custom_vjp`` with ``optimize_remat=True``.
-remat_opt_p = custom_derivatives.remat_opt_p
+remat_opt_p = custom_derivatives.remat_opt_p  # PR: custom
 custom_vmap_p = custom_batching.custom_vmap_p  # PR: custom
 shard_map_p = shard_map_lib.shard_map_p  # PR: shard_map
 shard_aval = core.shard_aval  # PR: shard_map
 linear_solve_p = lax_control_flow.linear_solve_p  # PR: linear_solve
 
-typeof = core.typeof
+typeof = core.typeof  # PR: reductions
 
 
 def arg_type(x: tp.Any) -> tp.Any:
@@ -132,10 +131,10 @@ def binder_types(jaxpr: Jaxpr | ClosedJaxpr) -> list[tp.Any]:
   return list(jaxpr.in_aval_qdds)
 
 
-Trace = core.Trace
-set_current_trace = core.set_current_trace
+Trace = core.Trace  # PR: toplevel
+set_current_trace = core.set_current_trace  # PR: toplevel
 current_source_info = source_info_util.current  # PR: toplevel
-eval_jaxpr = core.eval_jaxpr
+eval_jaxpr = core.eval_jaxpr  # PR: toplevel
 trace_ctx = core.trace_ctx
 convert_constvars_jaxpr = pe.convert_constvars_jaxpr
 
@@ -148,13 +147,13 @@ def partial_eval_jaxpr_nounits(*args, **kwargs):  # PR: partial_eval
 
 primitive_jvps = ad.primitive_jvps
 primitive_transposes = ad.primitive_transposes
-instantiate_zeros = ad.instantiate_zeros
-is_undefined_primal = ad.is_undefined_primal
+instantiate_zeros = ad.instantiate_zeros  # PR: perturb
+is_undefined_primal = ad.is_undefined_primal  # PR: intervene
 fancy_primitive_batchers = batching.fancy_primitive_batchers
 jet_rules = jet_lib.jet_rules  # jax.experimental.jet's rule registry
 register_lowering = mlir.register_lowering
 partial_eval_jaxpr_custom_rules = pe.partial_eval_jaxpr_custom_rules
-dce_rules = pe.dce_rules
+dce_rules = pe.dce_rules  # PR: partial_eval
 dce_jaxpr = pe.dce_jaxpr  # PR: partial_eval
 eqn_effects = core.eqn_effects  # PR: partial_eval
 new_jaxpr_eqn = pe.new_jaxpr_eqn
@@ -475,7 +474,7 @@ def eval_into_current_trace(  # PR: toplevel
   return [as_value(x) for x in outs]
 
 
-def edit_jaxpr(
+def edit_jaxpr(  # PR: toplevel
     jaxpr: Jaxpr, eqns: list[JaxprEqn], outvars: list[tp.Any]
 ) -> Jaxpr:
   """``jaxpr`` with new equations and outputs (effects recomputed)."""
@@ -631,8 +630,7 @@ def wrap_rule(  # PR: partial_eval
   registry[primitive] = rule
 
 
-custom_partial_eval_rules = pe.custom_partial_eval_rules
-eval_trace = core.eval_trace
+custom_partial_eval_rules = pe.custom_partial_eval_rules  # PR: partial_eval
 
 
 def shard_map_context(  # PR: shard_map
@@ -666,7 +664,7 @@ def replicated_spec(aval) -> tp.Any:  # PR: shard_map
   return shard_map_lib._repspec(aval)  # pylint: disable=protected-access
 
 
-def varying_axes(aval) -> frozenset:
+def varying_axes(aval) -> frozenset:  # PR: reductions
   """The manual mesh axes a value inside ``shard_map`` varies over."""
   mat = getattr(aval, 'mat', None)
   return frozenset(mat.varying) if mat is not None else frozenset()
@@ -685,7 +683,7 @@ def current_mesh_axes() -> tuple[str, ...]:  # PR: loops
   return tuple(mesh_lib.get_abstract_mesh().axis_names)
 
 
-def pvary(x: tp.Any, axes: tp.Sequence[str]) -> tp.Any:
+def pvary(x: tp.Any, axes: tp.Sequence[str]) -> tp.Any:  # PR: reductions
   """``x`` marked as varying over the manual mesh ``axes`` (a no-op where
   ``check_vma`` is off or it varies over them already)."""
   missing = frozenset(axes) - varying_axes(typeof(x))

@@ -441,7 +441,7 @@ def collect_staged(f, accepts_key, args, kwargs) -> tuple[tp.Any, Collected]:
   return staged.output(outs), collector.result()
 
 
-def _live(params: dict, in_custom_call: bool) -> dict | None:
+def _live(params: dict, in_custom_call: bool) -> dict | None:  # PR: toplevel
   del in_custom_call
   inert = not params['effect'] and not params['remat_copy']
   if inert and params['kind'] not in primitive_lib.DERIVATIVE_KINDS:
@@ -449,7 +449,7 @@ def _live(params: dict, in_custom_call: bool) -> dict | None:
   return None
 
 
-def rewrite_program(
+def rewrite_program(  # PR: toplevel
     closed: _jax.ClosedJaxpr,
     tags: tp.Iterable[tp.Hashable] | None = None,
     *,

@@ -567,14 +567,14 @@ def _evict(source_ref, key) -> None:  # PR: intervene
 
 
 @dataclasses.dataclass(frozen=True)
-class Edited:
+class Edited:  # PR: toplevel
   """A jaxpr whose accepted sows were removed and their operands returned."""
 
   jaxpr: _jax.Jaxpr  # returns [*outputs, *entry_leaves]
   layout: Layout
 
 
-def edit_plain_sows(
+def edit_plain_sows(  # PR: toplevel
     jaxpr: _jax.Jaxpr, accepts_key: frozenset | None | object
 ) -> Edited | None:
   """The rewrite as an edit of ``jaxpr``, where that is all it takes.
@@ -622,7 +622,7 @@ def edit_plain_sows(
   )
 
 
-def _accepted_inside(accepts_key, params) -> bool:
+def _accepted_inside(accepts_key, params) -> bool:  # PR: toplevel
   """Whether a sub-jaxpr in ``params`` holds a sow the capture collects."""
   return any(
       s.collectible and accepts(accepts_key, s.tag, s.reduction, s.kind, s.name)
@@ -646,7 +646,7 @@ def rewrite_jaxpr(
 
 
 def _rewrite_jaxpr(jaxpr, accepts_key, specs, python_folds=False):
-  if not specs:
+  if not specs:  # PR: toplevel
     edited = edit_plain_sows(jaxpr.jaxpr, accepts_key)
     if edited is not None:
       return _jax.ClosedJaxpr(edited.jaxpr, jaxpr.consts), edited.layout

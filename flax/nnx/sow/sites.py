@@ -258,7 +258,7 @@ def to_remat_copy(  # PR: partial_eval
   return None
 
 
-def edit_sows(
+def edit_sows(  # PR: toplevel
     eqn: _jax.JaxprEqn, edit: tp.Callable, in_custom_call: bool
 ) -> _jax.JaxprEqn:
   """``eqn`` with ``edit(params, in_custom_call)`` applied to the parameters
@@ -290,7 +290,7 @@ def edit_sows(
   return eqn.replace(params=params, effects=effects)
 
 
-def edit_sows_in_jaxpr(
+def edit_sows_in_jaxpr(  # PR: toplevel
     jaxpr: _jax.Jaxpr, edit: tp.Callable, in_custom_call: bool
 ) -> _jax.Jaxpr:
   eqns = [edit_sows(eqn, edit, in_custom_call) for eqn in jaxpr.eqns]
@@ -299,7 +299,7 @@ def edit_sows_in_jaxpr(
   return _jax.edit_jaxpr(jaxpr, eqns, jaxpr.outvars)
 
 
-def edit_sows_in(value, edit: tp.Callable, in_custom_call: bool):
+def edit_sows_in(value, edit: tp.Callable, in_custom_call: bool):  # PR: toplevel
   """A parameter's value, with :func:`edit_sows` applied to its jaxprs."""
   if isinstance(value, _jax.Jaxpr):
     return edit_sows_in_jaxpr(value, edit, in_custom_call)

@@ -36,13 +36,13 @@ here keep the equation's own parameters consistent with that:
 from __future__ import annotations
 
 
-import numpy as np
+import numpy as np  # PR: loops
 
 from flax.nnx.sow import _jax
-from flax.nnx.sow.collect import cached
+from flax.nnx.sow.collect import cached  # PR: intervene
 
 
-def permuted(closed: _jax.ClosedJaxpr, in_order, out_order):
+def permuted(closed: _jax.ClosedJaxpr, in_order, out_order):  # PR: loops
   """``closed`` with its binders and outputs reordered, without re-tracing.
 
   ``in_order[j]`` is the position in the new signature of old input ``j``;
@@ -71,7 +71,7 @@ def permuted(closed: _jax.ClosedJaxpr, in_order, out_order):
   )
 
 
-def carries_moved(body: _jax.ClosedJaxpr, n_consts: int, n_extra: int):
+def carries_moved(body: _jax.ClosedJaxpr, n_consts: int, n_extra: int):  # PR: loops
   """A loop body's extra carries moved to where ``scan`` and ``while`` take
   them (cached, without re-tracing).
 
@@ -93,7 +93,7 @@ def carries_moved(body: _jax.ClosedJaxpr, n_consts: int, n_extra: int):
   return cached(body, ('carries_moved', n_consts, n_extra), build)
 
 
-def with_unused_inputs(closed: _jax.ClosedJaxpr, avals, at: int):
+def with_unused_inputs(closed: _jax.ClosedJaxpr, avals, at: int):  # PR: loops
   """``closed`` taking inputs of ``avals`` that it ignores, inserted before
   its input ``at`` (without re-tracing)."""
   jaxpr = closed.jaxpr
@@ -139,7 +139,7 @@ def jit_params(params: dict, *, leading=0, trailing=0, outputs=0, **changes):
   )
 
 
-def hoisted(closed: _jax.ClosedJaxpr):
+def hoisted(closed: _jax.ClosedJaxpr):  # PR: intervene
   """``(jaxpr taking its constants as leading inputs, constants)``, cached.
 
   A rewritten body can hold constants that ``f`` never passed to the loop
@@ -158,7 +158,7 @@ def hoisted(closed: _jax.ClosedJaxpr):
   return cached(closed, 'hoisted', build)
 
 
-def branches_hoisted(branches):
+def branches_hoisted(branches):  # PR: loops
   """Branches taking every branch's constants as leading inputs (see
   :func:`hoisted`); each reads its own and ignores the others'."""
   parts = [hoisted(b) for b in branches]

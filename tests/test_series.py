@@ -60,6 +60,9 @@ REPRESENTATIVE = {
     'name_keys': [
         'tests/test_core.py::NameKeysTest',
     ],
+    'name_hints': [
+        'tests/test_names.py::CaptureNamesReportTest',
+    ],
     'reductions': [
         'tests/test_core.py::SeedExampleTest',
     ],

@@ -37,12 +37,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flax.nnx.sow import _jax
-from flax.nnx.sow import names
+from flax.nnx.sow import names  # PR: perturb
 from flax.nnx.sow.primitive import Name
 from flax.nnx.sow.primitive import bind_sow
 from flax.nnx.sow.primitive import is_eager
-from flax.nnx.sow.primitive import staging_active
 
 # Numbers the ``perturb`` calls as they are traced (``ordinal`` in
 # primitive.py): within one backward pass, cotangents arrive in decreasing

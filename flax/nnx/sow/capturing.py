@@ -28,30 +28,29 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import threading
+import threading  # PR: eager
 import typing as tp
-import warnings
-import weakref
+import weakref  # PR: eager
 
 import jax
-import numpy as np
+import numpy as np  # PR: eager
 
 from flax.nnx.sow import _jax
 from flax.nnx.sow import _jax_patches  # PR: eager
 from flax.nnx.sow import api
-from flax.nnx.sow import names as names_lib
-from flax.nnx.sow import primitive as primitive_lib
+from flax.nnx.sow import primitive as primitive_lib  # PR: toplevel
 from flax.nnx.sow import sites
 from flax.nnx.sow.primitive import Name
-from flax.nnx.sow.primitive import passed_over
+from flax.nnx.sow import name_hints  # PR: name_hints
+from flax.nnx.sow.name_hints import UnusedNameWarning  # PR: name_hints
 from flax.nnx.sow.primitive import staging
 from flax.nnx.sow.sites import Selection
 from flax.nnx.sow.sites import tags_of
 from flax.nnx.sow.collect import Collector
-from flax.nnx.sow.collect import cached
+from flax.nnx.sow.collect import cached  # PR: toplevel
 from flax.nnx.sow.collect import Collected
 from flax.nnx.sow.collect import eval_collecting
-from flax.nnx.sow.collect import is_opaque_leaf
+from flax.nnx.sow.collect import is_opaque_leaf  # PR: eager
 from flax.nnx.sow.collect import run_with_call_hooks
 from flax.nnx.sow.collect import is_array
 
@@ -136,45 +135,18 @@ def capture(
     accepts_key = Selection(accepts_key, _check_names(names))
   call = functools.partial(_capture_call, f)
   call = _EagerJitted(f, call)  # PR: eager
+  call = name_hints.reporting(call)  # PR: name_hints
 
   @functools.wraps(f)
   def captured(*args, **kwargs):
     key = sites.for_call(accepts_key)  # see name_keys.NameDecisions
     try:
-      with passed_over() as seen:
-        out = call(key, args, kwargs)
-      _report_unused_names(key, out[1], seen)
-      return out
+      return call(key, args, kwargs)
     finally:
       sites.release(key)
 
   captured._sow_captured = (f, tags, names)  # pylint: disable=protected-access
   return captured
-
-
-class UnusedNameWarning(UserWarning):
-  """``capture(names=[...])`` collected nothing for one of the names."""
-
-
-def _report_unused_names(key, collected, seen: dict) -> None:
-  """Warns, with the closest names sown, when a name of a ``names=`` set
-  collected nothing (a typo, or a sow that did not run this call)."""
-  if not (isinstance(key, Selection) and isinstance(key.names, frozenset)):
-    return
-  missing = [n for n in key.names if n not in collected]
-  if not missing:
-    return
-  name = sorted(missing, key=repr)[0]
-  hint = names_lib.closest(name, seen)
-  warnings.warn(
-      f'capture: names= lists {name!r}, but no sow of that name was'
-      ' collected' + (
-          f'. Did you mean {" or ".join(map(repr, hint))}?' if hint else
-          ' (check the name: capture(f) without names= returns them all).'
-      ),
-      UnusedNameWarning,
-      stacklevel=3,
-  )
 
 
 def check_tags(tags, transform: str) -> frozenset | None:

@@ -57,7 +57,7 @@ from flax.nnx.sow.sites import SowSite
 from flax.nnx.sow.sites import accepts
 from flax.nnx.sow.sites import as_jaxpr
 from flax.nnx.sow.sites import construct_name
-from flax.nnx.sow.sites import renamed
+from flax.nnx.sow.sites import renamed  # PR: toplevel
 from flax.nnx.sow.sites import sow_sites
 from flax.nnx.sow.sites import where
 

@@ -26,9 +26,9 @@ spelled most alike (``difflib``).
 
 from __future__ import annotations
 
-import difflib  # PR: intervene
 import typing as tp
 
+from flax.nnx.sow.name_hints import closest  # PR: name_hints
 from flax.nnx.sow.primitive import Name
 
 
@@ -63,29 +63,6 @@ def grad_name(name: Name) -> tuple[tp.Union[str, int], ...]:  # PR: perturb
   (('grad', 'resid', 0), ('grad', 'h'))
   """
   return ('grad', *as_path(name))
-
-
-def _text(name: tp.Any) -> str:
-  if isinstance(name, tuple):
-    return '/'.join(map(str, name))
-  return str(name)
-
-
-def closest(name: tp.Any, sown: tp.Iterable[tp.Any], n: int = 3) -> list:
-  """The names in ``sown`` that ``name`` was most likely meant to be.
-
-  First the names that are ``name`` written as the other kind of path (a
-  ``str`` for a one-part tuple, ``'a/b/0'`` for ``('a', 'b', 0)``), then
-  those spelled most alike, at most ``n`` in all, in that order.
-  """
-  sown = list(dict.fromkeys(sown))
-  same_path = [s for s in sown if s != name and _text(s) == _text(name)]
-  by_text = {}
-  for s in sown:
-    by_text.setdefault(_text(s), s)
-  alike = difflib.get_close_matches(_text(name), list(by_text), n=n)
-  out = same_path + [by_text[t] for t in alike if by_text[t] not in same_path]
-  return out[:n]
 
 
 def did_you_mean(name: tp.Any, sown: tp.Iterable[tp.Any]) -> str:  # PR: intervene

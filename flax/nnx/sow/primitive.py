@@ -26,7 +26,7 @@ rewrite resolves), and a batching rule that moves the mapped axis first. Collect
 
 from __future__ import annotations
 
-import contextlib
+import contextlib  # PR: eager
 import dataclasses
 import os
 import threading
@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from flax.nnx.sow import _jax
+from flax.nnx.sow import name_hints  # PR: name_hints
 from flax.nnx.sow import _jax_patches  # PR: eager
 
 Name = tp.Union[str, tuple[tp.Union[str, int], ...]]
@@ -200,35 +201,10 @@ class Selection:
   def accepts_name(self, name: Name) -> bool:
     if isinstance(self.names, frozenset):
       if name not in self.names:
-        _PASSED_OVER.names.setdefault(name, None)  # for a typo's hint
+        name_hints.passed_over_name(name)  # PR: name_hints
         return False
       return True
     return bool(self.names(name))
-
-
-class _PassedOver(threading.local):
-  # The names a ``names=`` set passed over on this thread since
-  # ``passed_over()`` was last entered: what ``capture`` suggests when one
-  # of the set's names collected nothing (a typo).
-
-  def __init__(self):
-    super().__init__()
-    self.names: dict = {}
-
-
-_PASSED_OVER = _PassedOver()
-
-
-@contextlib.contextmanager
-def passed_over():
-  """Collects, in the dict it yields, the names that a ``names=`` set
-  passed over while the block runs (names seen by tracing only)."""
-  before = _PASSED_OVER.names
-  _PASSED_OVER.names = seen = dict(before)
-  try:
-    yield seen
-  finally:
-    _PASSED_OVER.names = before
 
 
 def tags_of(accepts_key) -> frozenset | None:

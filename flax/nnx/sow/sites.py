@@ -46,7 +46,7 @@ from flax.nnx.sow.primitive import Selection  # pylint: disable=unused-import
 from flax.nnx.sow.primitive import accepts
 from flax.nnx.sow.primitive import tags_of  # pylint: disable=unused-import
 from flax.nnx.sow.primitive import VALUE_KINDS  # PR: custom
-from flax.nnx.sow.primitive import sow_effect
+from flax.nnx.sow.primitive import sow_effect  # PR: toplevel
 from flax.nnx.sow.primitive import sow_p
 
 
@@ -189,7 +189,7 @@ def construct_name(primitive: _jax.Primitive) -> str:
   return construct_names.get(primitive, f'`{primitive.name}`')
 
 
-def renamed(atoms, subst: dict) -> list:
+def renamed(atoms, subst: dict) -> list:  # PR: toplevel
   """``atoms`` (an equation's invars, a jaxpr's outvars) with each variable
   that ``subst`` maps replaced by its value (literals kept), as when sows
   removed from a jaxpr hand their operands to their consumers."""

@@ -82,6 +82,9 @@ REPRESENTATIVE = {
         'tests/test_intervene.py::TopLevelTest',
         'tests/test_intervene.py::RematTest',
     ],
+    'jet': [
+        'tests/test_constructs_extra.py::JetTest',
+    ],
     'loops': [
         'tests/test_loops.py::ScanTest',
         'tests/test_loops.py::CondTest',

@@ -36,7 +36,7 @@ from flax.nnx.sow.capturing import capture
 from flax.nnx.sow.collect import collect_rules
 from flax.nnx.sow.inject import intervene  # PR: intervene
 from flax.nnx.sow.loop_index import loop_indices  # PR: intervene
-from flax.nnx.sow.names import as_path
+from flax.nnx.sow.names import as_path  # PR: name_keys
 from flax.nnx.sow.names import grad_name  # PR: perturb
 from flax.nnx.sow.api import perturb  # PR: perturb
 from flax.nnx.sow.api import sow
@@ -50,7 +50,7 @@ nnx_shims.install()  # PR: nnx
 
 __all__ = [
     'Collected',
-    'as_path',
+    'as_path',  # PR: name_keys
     'capture',
     'collect_rules',
     'collected_to_state',  # PR: nnx

@@ -27,7 +27,7 @@ sites against the scope), passes the accumulators' leaves as extra inputs
 of the rewritten sub-jaxpr (:meth:`Accumulators.leaves`), carries them
 through it with a fixed type, and hands back the new ones
 (:meth:`Accumulators.absorb`). Inside a ``shard_map`` an accumulator has one
-copy per shard (:class:`~flax.nnx.sow.sites.ShardAxes`), started by
+copy per shard (``shard_map.ShardAxes``), started by
 ``constructs/shard_map.py``.
 
 How one site's ``reduce_fn``/``init_fn`` are traced and applied is
@@ -49,8 +49,10 @@ from flax.nnx.sow.primitive import Name
 from flax.nnx.sow.reductions import Accumulator
 from flax.nnx.sow.reductions import Reduction
 from flax.nnx.sow.reductions import strong
-from flax.nnx.sow.sites import ShardAxes
 from flax.nnx.sow.sites import SowSite
+
+# ``ShardAxes`` in annotations: ``constructs/shard_map.py``'s, which lands
+# after this file.
 from flax.nnx.sow.sites import as_jaxpr
 from flax.nnx.sow.sites import site_annotations
 from flax.nnx.sow.sites import sow_p
@@ -271,22 +273,20 @@ class Accumulators:
   :class:`Collector`): started, folded, carried through sub-jaxprs.
 
   Args:
-    claim: ``claim(name, kind, where)``, the collector's one-name-one-meaning
-      check.
-    is_plain: whether a name already collects plain entries in this scope.
-    takes: whether the capture accepts a :class:`SowSite`.
-    python_folds: see :class:`~flax.nnx.sow.collect.Collector`.
+    collector: the scope's collector, whose one-name-one-meaning check
+      (``claim``), plain names, accepted sites and ``python_folds`` (see
+      :class:`~flax.nnx.sow.collect.Collector`) the accumulators use.
   """
 
-  def __init__(self, claim, is_plain, takes, python_folds: bool = False):
+  def __init__(self, collector: collect.Collector):
     self.by_name: dict[Name, Accumulator] = {}
     # Reduced names kept per shard of a ``shard_map`` (their accumulators
     # have the leading mesh axes of ``ShardAxes``).
     self.sharded: dict[Name, ShardAxes] = {}
-    self._claim = claim
-    self._is_plain = is_plain
-    self._takes = takes
-    self.python_folds = python_folds
+    self._claim = collector.claim
+    self._is_plain = collector.plain_names.__contains__
+    self._takes = collector.accepts_site
+    self.python_folds = collector.python_folds
 
   def __contains__(self, name: Name) -> bool:
     return name in self.by_name

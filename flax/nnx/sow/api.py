@@ -117,7 +117,9 @@ def array_leaves(value: tp.Any, name: Name, what: str = 'sow'):
   return leaves, treedef
 
 
-def same_objects(value: tp.Any, out: tp.Sequence[tp.Any]) -> list[tp.Any]:
+def same_objects(  # PR: toplevel
+    value: tp.Any, out: tp.Sequence[tp.Any]
+) -> list[tp.Any]:
   """``out``, where a leaf is not traced, as the caller's own leaf of
   ``value`` (an eager capture then hands ``f`` back its NumPy arrays and
   Python scalars, as ``sow`` does outside any capture)."""
@@ -207,25 +209,16 @@ def sow(
   return out
 
 
-class ReductionHook(tp.Protocol):
-  """What ``reductions.py`` registers in :data:`reduction_hooks`."""
-
-  def check(self, name: Name, reduce_fn, init_fn) -> None:
-    """Raises ``TypeError`` for a bad ``reduce_fn``/``init_fn`` pair."""
-
-  def reduction(
-      self, name, reduce_fn, init_fn, treedef, leaves, fixed_type: bool
-  ) -> tuple[tp.Any, tuple[tp.Any, ...]]:
-    """``(reduction, closure)``: the sow's ``reduction`` parameter and the
-    traced values its functions close over (extra operands of the sow)."""
+reduction_hooks: list[tp.Any] = []
+"""Where reduced sows come from: ``reductions.py`` registers an object with
+``check(name, reduce_fn, init_fn)``, which raises ``TypeError`` for a bad
+pair, and ``reduction(name, reduce_fn, init_fn, treedef, leaves,
+fixed_type) -> (reduction, closure)``: the sow's ``reduction`` parameter and
+the traced values its functions close over (extra operands of the sow)."""
 
 
-reduction_hooks: list[ReductionHook] = []
-"""Where reduced sows come from (``reductions.py`` registers one)."""
-
-
-def reduction_hook(name: Name) -> ReductionHook:
-  """The registered :class:`ReductionHook`.
+def reduction_hook(name: Name) -> tp.Any:
+  """The registered reductions (see :data:`reduction_hooks`).
 
   Raises:
     NotImplementedError: naming the sow, if none is registered.
@@ -263,7 +256,8 @@ def sow_site(value, name, tag, reduce_fn, init_fn, *, fixed_type: bool):
       reduction=reduction,
       closure=closure,
   )
-  return unflatten(treedef, same_objects(value, out))
+  out = same_objects(value, out)  # PR: toplevel
+  return unflatten(treedef, out)
 
 
 def perturb(value: tp.Any, *, name: Name, tag: tp.Hashable = None) -> tp.Any:  # PR: perturb
@@ -312,4 +306,5 @@ def perturb(value: tp.Any, *, name: Name, tag: tp.Hashable = None) -> tp.Any:  #
       kind='perturb',
       ordinal=next(_ORDINALS),
   )
-  return unflatten(treedef, same_objects(value, out))
+  out = same_objects(value, out)  # PR: toplevel
+  return unflatten(treedef, out)

@@ -145,7 +145,8 @@ def capture(
     finally:
       sites.release(key)
 
-  captured._sow_captured = (f, tags, names)  # pylint: disable=protected-access
+  # What intervene reads of a captured function passed to it.
+  captured._sow_captured = (f, tags, names)  # PR: intervene
   return captured
 
 

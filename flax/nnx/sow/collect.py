@@ -49,7 +49,7 @@ import numpy as np
 from flax.nnx.sow import _jax
 from flax.nnx.sow import cotangents  # PR: perturb
 from flax.nnx.sow import display  # PR: collected
-from flax.nnx.sow.primitive import MARKER_KINDS
+from flax.nnx.sow.primitive import MARKER_KINDS  # PR: toplevel
 from flax.nnx.sow.primitive import Name
 from flax.nnx.sow.primitive import collectible
 from flax.nnx.sow.primitive import sow_p
@@ -88,7 +88,7 @@ registers one (``nnx/calls.py``: the path scope for ``Module.sow``, NNX graph
 nodes among the arguments); the functional core knows nothing of NNX.
 """
 
-opaque_leaf_checks: list[tp.Callable[[tp.Any], bool]] = []
+opaque_leaf_checks: list[tp.Callable[[tp.Any], bool]] = []  # PR: eager
 """Predicates for objects a capture must not flatten as pytrees (NNX graph
 nodes, registered by ``nnx/calls.py``)."""
 
@@ -98,8 +98,8 @@ class NoReducedNames:
   (``api.sow`` refuses a ``reduce_fn`` without it). The interface a
   :class:`Collector` and the construct rules use of ``self.reduced``."""
 
-  def __init__(self, claim, is_plain, takes, python_folds: bool = False):
-    del claim, is_plain, takes, python_folds
+  def __init__(self, collector: Collector):
+    del collector
 
   def __contains__(self, name: Name) -> bool:
     return False
@@ -121,7 +121,7 @@ registered: ``accumulators.Accumulators`` (its ``fold``, ``absorb``,
 ``enter`` and ``get`` serve what the reductions add here)."""
 
 
-def is_opaque_leaf(x) -> bool:
+def is_opaque_leaf(x) -> bool:  # PR: eager
   return any(check(x) for check in opaque_leaf_checks)
 
 
@@ -189,7 +189,7 @@ class Layout:
     return self.num_entry_leaves + self.num_accumulator_leaves
 
 
-def _meaning_error(name, where_=''):
+def _meaning_error(name, where_=''):  # PR: perturb
   return ValueError(
       f'capture: {name!r}{where_} is used by sow(...) and by perturb(...) in'
       ' one capture. A name holds sown values or perturb cotangents, never'
@@ -199,7 +199,7 @@ def _meaning_error(name, where_=''):
   )
 
 
-def _meaning(kind: str) -> str:
+def _meaning(kind: str) -> str:  # PR: perturb
   return 'cotangent' if kind in ('perturb', 'cotangent') else 'value'
 
 
@@ -221,19 +221,14 @@ class Collector:
     self.python_folds = python_folds
     self.entries: list[tuple[EntrySpec, list[tp.Any]]] = []
     self.names: dict[Name, None] = {}
-    self.plain_names: set[Name] = set()
+    self.plain_names: set[Name] = set()  # PR: reductions
     # 'value' or 'cotangent' per name: one name, one meaning.
-    self.meanings: dict[Name, str] = {}
-    self.reduced = reduced_names[-1](
-        self.claim,
-        self.plain_names.__contains__,
-        self.accepts_site,
-        python_folds,
-    )
+    self.meanings: dict[Name, str] = {}  # PR: perturb
+    self.reduced = reduced_names[-1](self)
 
   # -- which sows this capture takes --------------------------------------
 
-  def accepts(
+  def accepts(  # PR: linear_solve
       self,
       tag: tp.Hashable,
       reduction: tp.Any,  # a reductions.Reduction, or None
@@ -244,14 +239,16 @@ class Collector:
 
   def takes(self, params: dict[str, tp.Any]) -> bool:
     """Whether this capture collects the sow equation with ``params``."""
-    return collectible(params) and self.accepts(
-        params['tag'], params['reduction'], params['kind'], params['sow_name']
+    p = params
+    return collectible(p) and accepts(
+        self.accepts_key, p['tag'], p['reduction'], p['kind'], p['sow_name']
     )
 
   def accepts_site(self, s: SowSite) -> bool:
     """Whether this capture collects the site ``s`` (never an inert sow of
     a program staged outside any capture: ``primitive.collectible``)."""
-    return s.collectible and self.accepts(s.tag, s.reduction, s.kind, s.name)
+    key = self.accepts_key
+    return s.collectible and accepts(key, s.tag, s.reduction, s.kind, s.name)
 
   def accepted_sites(
       self, jaxprs: tp.Iterable[_jax.Jaxpr | _jax.ClosedJaxpr]
@@ -276,8 +273,8 @@ class Collector:
     Raises:
       ValueError: if the name already holds the other.
     """
-    meaning = _meaning(kind)
-    if self.meanings.setdefault(name, meaning) != meaning:
+    meaning = _meaning(kind)  # PR: perturb
+    if self.meanings.setdefault(name, meaning) != meaning:  # PR: perturb
       raise _meaning_error(name, where_)
 
   def add_entry(
@@ -289,7 +286,7 @@ class Collector:
       cotangents.check_arrival(spec)
     self.claim(spec.name, spec.kind, where_)
     self.names.setdefault(spec.name, None)
-    self.plain_names.add(spec.name)
+    self.plain_names.add(spec.name)  # PR: reductions
     self.entries.append((spec, list(leaves)))
 
   def on_sow(self, eqn: _jax.JaxprEqn, invals: list[tp.Any]) -> list[tp.Any]:
@@ -308,7 +305,7 @@ class Collector:
       # (a perturb's cotangent arrives later, in the backward pass).
       self.add_entry(EntrySpec.of_sow(p, 0), [], where_)
       return invals
-    if p['kind'] in MARKER_KINDS:
+    if p['kind'] in MARKER_KINDS:  # PR: loops
       self.names.setdefault(p['sow_name'], None)
       return invals
     n = len(invals) - p['n_closure']
@@ -411,7 +408,7 @@ class Collector:
         value = jax.tree_util.tree_unflatten(spec.treedef, ls)
       plain.setdefault(spec.name, []).append((spec, value))
     out = Collected()
-    arrived = set()  # names that hold cotangents
+    arrived = set()  # PR: perturb
     for name in self.names:
       if name in self.reduced:
         out[name] = self.reduced.value(name)
@@ -424,7 +421,7 @@ class Collector:
         continue
       if name in plain:
         out[name] = tuple(v for _, v in plain[name])
-    out.cotangents = frozenset(arrived)
+    out.cotangents = frozenset(arrived)  # PR: perturb
     return out
 
 

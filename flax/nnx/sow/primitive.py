@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib  # PR: eager
 import dataclasses
 import os
-import threading
+import threading  # PR: eager
 import typing as tp
 
 import jax
@@ -135,7 +135,8 @@ KEPT = 'kept'  # PR: intervene
 HOISTED = 'hoisted'  # PR: intervene
 # What a capture collects as sown values.
 VALUE_KINDS = ('value', HOISTED)  # PR: custom
-HIDDEN = 'hidden'  # a ``remat_copy`` value, see above
+# A ``remat_copy`` value, see above.
+HIDDEN = 'hidden'  # PR: partial_eval
 
 _STAGING = jax.make_user_context(())
 
@@ -178,7 +179,7 @@ def collectible(params: dict[str, tp.Any]) -> bool:
   return bool(params['effect']) and not params['remat_copy']
 
 
-PLAIN_SOWS = object()
+PLAIN_SOWS = object()  # PR: loops
 """A ``Collector.accepts_key`` that takes every plain sow, whatever its tag.
 
 Used to hoist plain sows out of a construct (``constructs/batched.py``).
@@ -228,7 +229,7 @@ def accepts(
     # the ``'hoisted'`` copy (``constructs/batched.py``); a derivative
     # marker is a tangent or cotangent, resolved by the intervene.
     return False
-  if accepts_key is PLAIN_SOWS:
+  if accepts_key is PLAIN_SOWS:  # PR: loops
     # Hoisting moves values; markers stay where they are (a perturb marker
     # must meet the JVP there).
     return reduction is None and kind not in MARKER_KINDS
@@ -272,10 +273,12 @@ def bind_sow(
     kind: str = 'value',
     batch_dims: int = 0,
     closure: tp.Sequence[tp.Any] = (),
-    ordinal: int | None = None,
+    ordinal: int | None = None,  # PR: perturb
 ) -> list[tp.Any]:
   """Binds ``sow_p`` (effectful while a capture stages)."""
-  extra = {} if ordinal is None else {'ordinal': ordinal}
+  extra = {}
+  if ordinal is not None:  # PR: perturb
+    extra['ordinal'] = ordinal
   _BOUND.count, _BOUND.last = _BOUND.count + 1, name  # PR: custom
   return sow_p.bind(
       *leaves,
@@ -293,13 +296,13 @@ def bind_sow(
   )
 
 
-class _EagerCaptures(threading.local):
+class _EagerCaptures(threading.local):  # PR: eager
   """The eager captures running on this thread, outermost first."""
 
   stack: tuple[tp.Any, ...] = ()
 
 
-_EAGER = _EagerCaptures()
+_EAGER = _EagerCaptures()  # PR: eager
 
 
 def eager_captures() -> tuple[tp.Any, ...]:  # PR: eager
@@ -408,14 +411,14 @@ def mapped_axis_first(x, dim: int | None, size: int):
 _jax.fancy_primitive_batchers[sow_p] = _sow_batch
 
 
-def _sow_jet(primals, series, **params):
+def _sow_jet(primals, series, **params):  # PR: jet
   # ``jax.experimental.jet``: the sow marks the primal (so a capture around
   # the jet collects it); the Taylor series pass through, as tangents do.
   out = sow_p.bind(*primals, **params)
   return out, list(series[: len(out)])
 
 
-_jax.jet_rules[sow_p] = _sow_jet
+_jax.jet_rules[sow_p] = _sow_jet  # PR: jet
 
 
 # ``perturb_tangent_p``: the tangent of a perturbed value. Linear, the
@@ -485,12 +488,12 @@ _jax.fancy_primitive_batchers[perturb_tangent_p] = (  # PR: perturb
 )
 
 
-def _perturb_tangent_jet(primals, series, **params):  # PR: perturb
+def _perturb_tangent_jet(primals, series, **params):  # PR: jet
   # The identity on the primal and on every term of its series.
   return perturb_tangent_p.bind(*primals, **params), list(series)
 
 
-_jax.jet_rules[perturb_tangent_p] = _perturb_tangent_jet  # PR: perturb
+_jax.jet_rules[perturb_tangent_p] = _perturb_tangent_jet  # PR: jet
 
 
 def _sow_partial_eval_custom(saveable, unks_in, inst_in, eqn):
@@ -529,7 +532,6 @@ _jax.partial_eval_jaxpr_custom_rules[sow_p] = _sow_partial_eval_custom
 def is_eager() -> bool:
   """Whether no transform is tracing and no eager capture is running on
   this thread (a sow is then returned as it is)."""
-  return (
-      isinstance(_jax.trace_ctx.trace, _jax.core.EvalTrace)
-      and not _EAGER.stack
-  )
+  if _EAGER.stack:  # PR: eager
+    return False
+  return isinstance(_jax.trace_ctx.trace, _jax.core.EvalTrace)

@@ -329,7 +329,7 @@ def check_functions(name, reduce_fn, init_fn) -> None:
 
 def reduction_of_sow(name, reduce_fn, init_fn, treedef, leaves, fixed_type):
   """``(reduction, closure)`` for a sow of ``leaves`` (see
-  :class:`~flax.nnx.sow.api.ReductionHook`): while a capture stages, the
+  ``api.reduction_hooks``): while a capture stages, the
   functions are traced here (:func:`take_snapshot`); outside one nothing is
   traced.
 
@@ -362,7 +362,7 @@ def reduction_of_sow(name, reduce_fn, init_fn, treedef, leaves, fixed_type):
 
 
 class SowReductions:
-  """This file's :class:`~flax.nnx.sow.api.ReductionHook`."""
+  """This file's ``api.reduction_hooks``."""
 
   check = staticmethod(check_functions)
   reduction = staticmethod(reduction_of_sow)

@@ -66,33 +66,6 @@ def release(accepts_key) -> None:
   name_keys.release(accepts_key)  # PR: name_keys
 
 
-@dataclasses.dataclass(frozen=True)
-class ShardAxes:
-  """The mesh axes that a value sown inside ``shard_map`` varies over.
-
-  Outside the ``shard_map`` such a value, or the accumulator of such a
-  reduced name, carries one leading axis per axis in :attr:`axes`, of the
-  sizes in :attr:`shape` (``constructs/shard_map.py``).
-  """
-
-  mesh_shape: tuple[tuple[str, int], ...]  # the mesh's axes, in mesh order
-  names: frozenset[str]
-
-  @property
-  def axes(self) -> tuple[str, ...]:
-    return tuple(a for a, _ in self.mesh_shape if a in self.names)
-
-  @property
-  def shape(self) -> tuple[int, ...]:
-    return tuple(n for a, n in self.mesh_shape if a in self.names)
-
-  def union(self, other: ShardAxes) -> ShardAxes | None:
-    """Both sets of axes, or ``None`` if the meshes differ."""
-    if other.mesh_shape != self.mesh_shape:
-      return None
-    return ShardAxes(self.mesh_shape, self.names | other.names)
-
-
 construct_names: dict[_jax.Primitive, str] = {}
 """How errors name a primitive's construct (``'lax.scan'`` for ``scan``)."""
 
@@ -122,7 +95,7 @@ class SowSite:
   # Where the sow was called, and what it sows (one example's avals).
   eqn: _jax.JaxprEqn | None = dataclasses.field(default=None, compare=False)
   # The mesh axes of an enclosing ``shard_map`` the value varies over.
-  sharded: ShardAxes | None = None
+  sharded: tp.Any = None  # a shard_map.ShardAxes
   # Manual mesh axes the predicates of the enclosing loops and branches vary
   # over: the site runs differently per shard (``constructs/loops_control.py``).
   control_axes: frozenset = frozenset()
@@ -136,7 +109,7 @@ class SowSite:
     """Staged by a capture, not inert (``primitive.collectible``)."""
     return self.eqn is None or bool(self.eqn.params['effect'])
 
-  def value_avals(self) -> tuple[tp.Any, ...]:
+  def value_avals(self) -> tuple[tp.Any, ...]:  # PR: reductions
     p = self.eqn.params
     b = p['batch_dims']
     invars = self.eqn.invars[: len(self.eqn.invars) - p['n_closure']]

@@ -32,7 +32,7 @@ invariant is sown as varying: the body is first marked by ``control.py``.
 
 A reduced name keeps one accumulator per shard the same way: outside, it has
 the leading axes of the union of the axes its sites vary over
-(:class:`~flax.nnx.sow.sites.ShardAxes`); it enters the body split by the
+(:class:`ShardAxes`); it enters the body split by the
 same spec, so each shard folds only its own values. A name new in the scope
 starts from ``init_fn()`` run on every shard by a ``shard_map`` with no
 inputs (the function was traced inside the body, under its mesh). Such a
@@ -75,12 +75,38 @@ from flax.nnx.sow.primitive import sow_p
 from flax.nnx.sow.primitive import staging_active
 from flax.nnx.sow.intervening import staging_captures
 from flax.nnx.sow.reductions import Accumulator
-from flax.nnx.sow.sites import ShardAxes
 from flax.nnx.sow.sites import SowSite
 from flax.nnx.sow.sites import accepts
 from flax.nnx.sow.sites import construct_names
 from flax.nnx.sow.sites import site_annotations
 from flax.nnx.sow.sites import sow_sites
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardAxes:
+  """The mesh axes that a value sown inside ``shard_map`` varies over.
+
+  Outside the ``shard_map`` such a value, or the accumulator of such a
+  reduced name, carries one leading axis per axis in :attr:`axes`, of the
+  sizes in :attr:`shape` (``constructs/shard_map.py``).
+  """
+
+  mesh_shape: tuple[tuple[str, int], ...]  # the mesh's axes, in mesh order
+  names: frozenset[str]
+
+  @property
+  def axes(self) -> tuple[str, ...]:
+    return tuple(a for a, _ in self.mesh_shape if a in self.names)
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return tuple(n for a, n in self.mesh_shape if a in self.names)
+
+  def union(self, other: ShardAxes) -> ShardAxes | None:
+    """Both sets of axes, or ``None`` if the meshes differ."""
+    if other.mesh_shape != self.mesh_shape:
+      return None
+    return ShardAxes(self.mesh_shape, self.names | other.names)
 
 
 def _manual_axes(params) -> tuple[tuple[str, int], ...]:
@@ -206,7 +232,7 @@ def _start_accumulators(
 
   ``init_fn()`` was traced inside the ``shard_map`` body, so it runs there:
   a ``shard_map`` with no inputs returns each shard's ``init_fn()`` with the
-  leading axes of the name (:class:`~flax.nnx.sow.sites.ShardAxes`), laid out
+  leading axes of the name (:class:`ShardAxes`), laid out
   over the mesh like the accumulator it starts. Names the collector already
   holds, and those whose ``init_fn`` reads values traced in the body, are
   left to :meth:`~flax.nnx.sow.accumulators.ReducedNames.specs` (which

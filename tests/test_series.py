@@ -98,7 +98,18 @@ REPRESENTATIVE = {
         'tests/test_toplevel.py::EagerConstructsTest',
     ],
     'nnx': [
+        'tests/test_nnx_shims.py::LegacyWarningTest',
+        'tests/test_nnx_shims.py::GrowingReductionTest',
+        'tests/test_toplevel.py::StateArgumentTest',
+    ],
+    'nnx_transforms': [
+        'tests/test_nnx_paths.py::TransformCopiesTest',
+        'tests/test_nnx_sliced.py::SameAsFlaxTest',
+    ],
+    'nnx_functional': [
         'tests/test_nnx_shims.py::ShimTest',
+        'tests/test_module_hooks.py::ModuleOutputsTest',
+        'tests/test_nnx_paths.py::ClosedOverTest',
     ],
     'shard_map': [
         'tests/test_sharding.py::DataParallelTest',

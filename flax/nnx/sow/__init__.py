@@ -42,9 +42,9 @@ from flax.nnx.sow.api import perturb  # PR: perturb
 from flax.nnx.sow.api import sow
 from flax.nnx.sow.primitive import sow_p
 from flax.nnx.sow.nnx.state import collected_to_state  # PR: nnx
-from flax.nnx.sow.nnx.state import flatten_names  # PR: nnx
-from flax.nnx.sow.nnx.hooks import module_outputs  # PR: nnx
-from flax.nnx.sow.nnx.state import state_to_collected  # PR: nnx
+from flax.nnx.sow.nnx.state import flatten_names  # PR: nnx_functional
+from flax.nnx.sow.nnx.hooks import module_outputs  # PR: nnx_functional
+from flax.nnx.sow.nnx.state import state_to_collected  # PR: nnx_functional
 
 nnx_shims.install()  # PR: nnx
 
@@ -54,17 +54,17 @@ __all__ = [
     'capture',
     'collect_rules',
     'collected_to_state',  # PR: nnx
-    'flatten_names',  # PR: nnx
+    'flatten_names',  # PR: nnx_functional
     'grad_name',  # PR: perturb
     'intervene',  # PR: intervene
     'loop_indices',  # PR: intervene
-    'module_outputs',  # PR: nnx
+    'module_outputs',  # PR: nnx_functional
     'nnx_shims',  # PR: nnx
     'perturb',  # PR: perturb
     'sow',
     'sow_p',
     'state',  # PR: nnx
-    'state_to_collected',  # PR: nnx
+    'state_to_collected',  # PR: nnx_functional
 ]
 
 del _constructs

@@ -359,7 +359,7 @@ INVENTORY: tuple[Patch, ...] = (
         'As for while_remat_rule.',
         _wrap_rule(_jax.custom_partial_eval_rules, _jax.while_p),
     ),
-    Patch(  # PR: nnx
+    Patch(  # PR: nnx_transforms
         'scan_bind',
         'scan_p.bind_with_trace',
         'constructs/rows.py',

@@ -50,7 +50,7 @@ from flax.nnx.sow.constructs import custom  # PR: custom
 from flax.nnx.sow.constructs import linear_solve  # PR: linear_solve
 from flax.nnx.sow.constructs import loops_control  # PR: shard_map
 from flax.nnx.sow.constructs import partial_eval  # PR: partial_eval
-from flax.nnx.sow.constructs import rows  # PR: nnx
+from flax.nnx.sow.constructs import rows  # PR: nnx_transforms
 from flax.nnx.sow.constructs import scan  # PR: loops
 from flax.nnx.sow.constructs import shard_map  # PR: shard_map
 from flax.nnx.sow.constructs import while_loop  # PR: loops
@@ -63,7 +63,7 @@ __all__ = [
     'linear_solve',  # PR: linear_solve
     'loops_control',  # PR: shard_map
     'partial_eval',  # PR: partial_eval
-    'rows',  # PR: nnx
+    'rows',  # PR: nnx_transforms
     'scan',  # PR: loops
     'shard_map',  # PR: shard_map
     'while_loop',  # PR: loops

@@ -20,6 +20,10 @@
 * ``shims.py``: ``Module.sow``, ``Module.perturb`` and ``nnx.capture`` on the
   core.
 * ``state.py``: ``collected`` <-> ``nnx.State``.
+* ``slices.py``: one accumulator per slice of a module that ``nnx.scan`` or
+  ``nnx.vmap`` slices.
+* ``hooks.py``: module calls as hook points (``module_outputs``, and the
+  method wrapper of ``nnx.capture(..., method_outputs=...)``).
 * ``flax_hooks.py``: the only file that replaces Flax objects (the inventory
   of what is replaced, why, and the public Flax hook that would replace it).
 

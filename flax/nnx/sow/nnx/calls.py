@@ -51,13 +51,13 @@ from flax.nnx.sow.nnx.scope import is_variable_type
 from flax.nnx.sow.nnx.scope import trace_key
 
 
-def _is_traced(path: tp.Any, variable: tp.Any) -> bool:
+def _is_traced(path: tp.Any, variable: tp.Any) -> bool:  # PR: nnx_functional
   """Plain and ref Variables are traced; Hijax Variables pass as they are."""
   del path
   return not getattr(variable, 'hijax', False)
 
 
-def _is_plain(path: tp.Any, variable: tp.Any) -> bool:
+def _is_plain(path: tp.Any, variable: tp.Any) -> bool:  # PR: nnx_functional
   """Plain Variables are written back; ref and Hijax ones mutate in place."""
   del path
   return not (
@@ -65,13 +65,13 @@ def _is_plain(path: tp.Any, variable: tp.Any) -> bool:
   )
 
 
-class _Slot(tp.NamedTuple):
+class _Slot(tp.NamedTuple):  # PR: nnx_functional
   """Stands for the ``index``-th graph node where it was in a pytree."""
 
   index: int
 
 
-class _NewNode(tp.NamedTuple):
+class _NewNode(tp.NamedTuple):  # PR: nnx_functional
   """A graph node ``f`` made and returned, split to cross the staging."""
 
   graphdef: tp.Any
@@ -144,16 +144,30 @@ def functional_graph_call(
     nodes = [leaves[i] for i in positions]
   # With no graph node to split, a functional capture names its roots when
   # a module first asks for its path.
-  if lazy and not nodes:
-    scope.defer_roots(named_args, named_kwargs, user_f)
-  else:
-    scope.name_roots(named_args, named_kwargs, user_f)
+  name_roots = scope.name_roots
+  if lazy and not nodes:  # PR: nnx_functional
+    name_roots = scope.defer_roots
+  name_roots(named_args, named_kwargs, user_f)
   with ActiveScope(scope):
     if not nodes:
       return stage(_keyed(f), args, kwargs)
-    if all(_is_plain_variable(n) for n in nodes):
-      return _variables_call(stage, f, leaves, treedef, positions, nodes)
-    return _split_call(stage, f, scope, leaves, treedef, positions, nodes)
+    if not graph_node_calls:
+      raise NotImplementedError(
+          'intervene: the arguments of the function hold an NNX graph node'
+          f' or Variable ({type(nodes[0]).__name__}); this version of'
+          ' flax.nnx.sow cannot pass them through the staging (split and'
+          ' merged as nnx.jit does), so their updates and module paths would'
+          ' be lost. Pass their arrays instead.'
+      )
+    call = graph_node_calls[-1]
+    return call(stage, f, scope, leaves, treedef, positions, nodes)
+
+
+# How a call that stages ``f`` (``intervene``) passes the NNX graph nodes
+# among its arguments: ``call(stage, f, scope, leaves, treedef, positions,
+# nodes)``, the last one registered (:func:`_graph_node_call` below, which
+# splits them as ``nnx.jit`` does). Without one such a call raises.
+graph_node_calls: list[tp.Callable[..., tuple[tp.Any, tp.Any]]] = []
 
 
 def _graph_leaves(args, kwargs):
@@ -188,11 +202,11 @@ def _keyed(f):
   return keyed_f
 
 
-def _is_plain_variable(x) -> bool:
+def _is_plain_variable(x) -> bool:  # PR: nnx_functional
   return is_variable_type(type(x)) and _is_plain(None, x)
 
 
-def _cross_out(out, inner):
+def _cross_out(out, inner):  # PR: nnx_functional
   """``out`` with the graph nodes of ``inner`` as ``_Slot``s and the graph
   nodes ``f`` made split, so that it can leave the staging."""
   index = {id(node): k for k, node in enumerate(inner)}
@@ -207,7 +221,7 @@ def _cross_out(out, inner):
   return jax.tree.map(cross, out, is_leaf=is_graph_leaf)
 
 
-def _uncross_out(out, nodes):
+def _uncross_out(out, nodes):  # PR: nnx_functional
   def uncross(x):
     if isinstance(x, _Slot):
       return nodes[x.index]
@@ -220,7 +234,7 @@ def _uncross_out(out, nodes):
   )
 
 
-def _variables_call(stage, f, leaves, treedef, positions, variables):
+def _variables_call(stage, f, leaves, treedef, positions, variables):  # PR: nnx_functional
   """:func:`_split_call` when the graph leaves are plain Variables only
   (an ``nnx.State`` among the arguments).
 
@@ -250,7 +264,7 @@ def _variables_call(stage, f, leaves, treedef, positions, variables):
   return _uncross_out(out, unique), extra
 
 
-def _split_call(stage, f, scope, leaves, treedef, positions, nodes):
+def _split_call(stage, f, scope, leaves, treedef, positions, nodes):  # PR: nnx_functional
   graphdef, plain, refs, kept = nnx.split(nodes, _is_plain, _is_traced, ...)
   before = jax.tree.leaves(plain)
   rest = list(leaves)
@@ -280,6 +294,15 @@ def _split_call(stage, f, scope, leaves, treedef, positions, nodes):
   ):
     nnx.update(nodes, updates)
   return _uncross_out(out, nodes), extra
+
+
+def _graph_node_call(stage, f, scope, leaves, treedef, positions, nodes):  # PR: nnx_functional
+  if all(_is_plain_variable(n) for n in nodes):
+    return _variables_call(stage, f, leaves, treedef, positions, nodes)
+  return _split_call(stage, f, scope, leaves, treedef, positions, nodes)
+
+
+graph_node_calls.append(_graph_node_call)  # PR: nnx_functional
 
 
 # The NNX layer around every capture and intervene call: the path scope for

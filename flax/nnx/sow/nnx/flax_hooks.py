@@ -32,18 +32,18 @@ that nested and concurrent calls restore the originals once).
 from __future__ import annotations
 
 import dataclasses
-import functools
+import functools  # PR: nnx_transforms
 import threading
 import typing as tp
 
 from flax import nnx
 
 # Flax internals replaced here (adapt here for a new Flax release).
-from flax.nnx import extract as _extract
-from flax.nnx import graphlib as _graphlib
+from flax.nnx import extract as _extract  # PR: nnx_transforms
+from flax.nnx import graphlib as _graphlib  # PR: nnx_transforms
 from flax.nnx import module as _module_lib
-from flax.nnx.nn import attention as _attention_lib
-from flax.nnx.transforms import iteration as _iteration
+from flax.nnx.nn import attention as _attention_lib  # PR: nnx_functional
+from flax.nnx.transforms import iteration as _iteration  # PR: nnx_transforms
 
 FLAX_VERSIONS = 'flax 0.12.8 (flax>=0.12.8,<0.13 in pyproject.toml)'
 
@@ -82,13 +82,13 @@ _CORE_API = (
     ' flax/nnx/module.py on the core (`flax.nnx.sow.sow`/`perturb`/'
     '`capture`): no install step, no `__captures__` attribute machinery.'
 )
-_SPLIT_MERGE_OBSERVER = (
+_SPLIT_MERGE_OBSERVER = (  # PR: nnx_transforms
     'A public observer on graph split/merge (`graphlib` calling registered'
     ' callbacks with `(node, graphdef)` after `flatten` and `(graphdef,'
     ' node)` after `unflatten`, or `_graph_unflatten` recording inner ->'
     ' path), which also covers the transforms built on them.'
 )
-_TREE_MODE_OBSERVER = (
+_TREE_MODE_OBSERVER = (  # PR: nnx_transforms
     'The same observer, called by tree-mode transforms with the arguments'
     ' they received and the copies their function gets (pairs by pytree'
     ' position).'
@@ -123,7 +123,7 @@ INVENTORY: tuple[Hook, ...] = (
         ' what `capture` returns.',
         _CORE_API,
     ),
-    Hook(
+    Hook(  # PR: nnx_transforms
         'graph_flatten',
         ((_graphlib, 'flatten'), (nnx, 'flatten')),
         'flax.nnx.graphlib.flatten (nnx.split, graph-mode transforms)',
@@ -133,7 +133,7 @@ INVENTORY: tuple[Hook, ...] = (
         _SPLIT_MERGE_OBSERVER,
         wraps=True,
     ),
-    Hook(
+    Hook(  # PR: nnx_transforms
         'graph_unflatten',
         ((_graphlib, 'unflatten'), (nnx, 'unflatten')),
         'flax.nnx.graphlib.unflatten (nnx.merge, graph-mode transforms)',
@@ -143,7 +143,7 @@ INVENTORY: tuple[Hook, ...] = (
         _SPLIT_MERGE_OBSERVER,
         wraps=True,
     ),
-    *(
+    *(  # PR: nnx_transforms
         Hook(
             f'graphdef_{method}',
             ((_graphlib.GraphDef, method),),
@@ -162,7 +162,7 @@ INVENTORY: tuple[Hook, ...] = (
             'with_matching_outer_index',
         )
     ),
-    Hook(
+    Hook(  # PR: nnx_transforms
         'check_no_aliases',
         ((_extract, 'check_no_aliases'),),
         'flax.nnx.extract.check_no_aliases',
@@ -172,7 +172,7 @@ INVENTORY: tuple[Hook, ...] = (
         _TREE_MODE_OBSERVER,
         wraps=True,
     ),
-    Hook(
+    Hook(  # PR: nnx_transforms
         'snapshot',
         ((_extract, 'snapshot'),),
         'flax.nnx.extract.snapshot',
@@ -182,7 +182,7 @@ INVENTORY: tuple[Hook, ...] = (
         _TREE_MODE_OBSERVER,
         wraps=True,
     ),
-    *(
+    *(  # PR: nnx_transforms
         Hook(
             name,
             ((cls, '__call__'),),
@@ -204,7 +204,7 @@ INVENTORY: tuple[Hook, ...] = (
             ('simple_vmap_body', _iteration.SimpleVmapFn, 'nnx.vmap'),
         )
     ),
-    Hook(
+    Hook(  # PR: nnx_functional
         'attention_weights',
         ((_attention_lib, 'dot_product_attention_weights'),),
         'flax.nnx.nn.attention.dot_product_attention_weights (looked up by'
@@ -221,7 +221,7 @@ INVENTORY: tuple[Hook, ...] = (
         ' returns the value it sows).',
         wraps=True,
     ),
-    Hook(
+    Hook(  # PR: nnx_functional
         'method_outputs',
         (),
         'the public methods and `__call__` of every Module class that an'
@@ -271,14 +271,14 @@ def replacement(name: str) -> tp.Any:
     if made is None:
       made = given = _REGISTERED[name]
       hook = _BY_NAME[name]
-      if hook.wraps:
+      if hook.wraps:  # PR: nnx_transforms
         on_class = any(isinstance(owner, type) for owner, _ in hook.targets)
         made = _wrapping(given, _ORIGINALS[name], on_class)
       _REPLACEMENTS[name] = made
     return made
 
 
-def _wrapping(
+def _wrapping(  # PR: nnx_transforms
     given: tp.Callable, flax_original: tp.Callable, on_class: bool
 ) -> tp.Callable:
   """``given(flax_original, *args, **kwargs)``: a ``functools.partial``, or,
@@ -332,10 +332,10 @@ def installed() -> bool:
 
 # The per-call entry ``method_outputs``.
 
-_WRAPPED: dict[type, tuple[int, dict[str, tp.Any]]] = {}
+_WRAPPED: dict[type, tuple[int, dict[str, tp.Any]]] = {}  # PR: nnx_functional
 
 
-def wrap_methods(
+def wrap_methods(  # PR: nnx_functional
     classes: tp.Iterable[type],
     wrappable: tp.Callable[[str, tp.Any], bool],
     make_wrapper: tp.Callable[[str, tp.Any], tp.Any],
@@ -356,7 +356,7 @@ def wrap_methods(
       _WRAPPED[cls] = (count + 1, originals)
 
 
-def unwrap_methods(classes: tp.Iterable[type]) -> None:
+def unwrap_methods(classes: tp.Iterable[type]) -> None:  # PR: nnx_functional
   """Undoes one :func:`wrap_methods` of each class; the last restores it."""
   with _LOCK:
     for cls in classes:

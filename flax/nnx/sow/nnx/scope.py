@@ -68,9 +68,9 @@ only check that the thread has no active scope.
 
 from __future__ import annotations
 
-import dis
-import functools
-import inspect
+import dis  # PR: nnx_functional
+import functools  # PR: nnx_functional
+import inspect  # PR: nnx_functional
 import threading
 import types
 import typing as tp
@@ -114,18 +114,19 @@ class _Local(threading.local):
 
   def __init__(self):
     self.scopes: list[Scope] = []
-    self.busy = False  # the scope itself is flattening: hooks stand aside
+    # The scope itself is flattening: the hooks stand aside.
+    self.busy = False  # PR: nnx_transforms
     # Graph nodes an NNX transform in tree mode received, by position.
-    self.transform_args: dict | None = None
+    self.transform_args: dict | None = None  # PR: nnx_transforms
     # The bodies of the NNX transforms that may slice module state, running
     # now inside the innermost capture (``slices.py``), outermost first.
-    self.frames: list = []
+    self.frames: list = []  # PR: nnx_transforms
 
 
 # Called with ``(source, copy)`` for each object Flax copies inside a
 # capture (a merge from a graphdef split in the call, or a tree-mode
 # transform's copy of an argument; ``slices.py``).
-copy_observers: list[tp.Callable[[tp.Any, tp.Any], None]] = []
+copy_observers: list[tp.Callable[[tp.Any, tp.Any], None]] = []  # PR: nnx_transforms
 
 
 LOCAL = _Local()
@@ -191,7 +192,7 @@ def _graph_nodes(node) -> tp.Iterator[tuple[Path, tp.Any]]:
       stack.append(((*path, key), child, False))
 
 
-def _parameter_names(f) -> list[str]:
+def _parameter_names(f) -> list[str]:  # PR: nnx_functional
   """The names of ``f``'s positional parameters (``[]`` if unknown)."""
   try:
     params = inspect.signature(f).parameters.values()
@@ -250,17 +251,17 @@ def _choose_roots(args: tuple, kwargs: dict, f, referenced) -> list:
   kept = _outermost_modules(candidates)
   if len(kept) == 1:
     return [(kept[0][0], ())]
-  if len({is_arg for _, _, is_arg in kept}) == 1:
-    return [(node, path) for node, path, _ in kept]
-  # Arguments next to variables: arguments by parameter name too, so the
-  # keys of one level are all strings (an nnx.State sorts them).
-  names = _parameter_names(f)
-  return [
-      (node, (names[p[0]], *p[1:]))
-      if is_arg and isinstance(p[0], int) and p[0] < len(names)
-      else (node, p)
-      for node, p, is_arg in kept
-  ]
+  if len({is_arg for _, _, is_arg in kept}) > 1:  # PR: nnx_functional
+    # Arguments next to variables: arguments by parameter name too, so the
+    # keys of one level are all strings (an nnx.State sorts them).
+    names = _parameter_names(f)
+    return [
+        (node, (names[p[0]], *p[1:]))
+        if is_arg and isinstance(p[0], int) and p[0] < len(names)
+        else (node, p)
+        for node, p, is_arg in kept
+    ]
+  return [(node, path) for node, path, _ in kept]
 
 
 def _outermost_modules(candidates):
@@ -285,7 +286,7 @@ def _outermost_modules(candidates):
   return kept
 
 
-class _Merged:
+class _Merged:  # PR: nnx_transforms
   """The objects merged from a graphdef split before the capture.
 
   They are the root at ``()`` (the functional pattern ``nnx.merge(graphdef,
@@ -350,19 +351,20 @@ class Scope:
     self.nodes: dict[int, tuple[tp.Any, Path]] = {}
     # (path, type) of every node under a root, in order.
     self.structure: list[tuple[Path, type]] = []
-    self.splits: dict[int, tuple[tp.Any, tp.Any]] = {}  # graphdef, source
+    # graphdef id -> (graphdef, the object it was split from).
+    self.splits: dict[int, tuple[tp.Any, tp.Any]] = {}  # PR: nnx_transforms
     # The same, recorded at once also while the roots are not named.
-    self.split_sources: dict[int, tuple[tp.Any, tp.Any]] = {}
+    self.split_sources: dict[int, tuple[tp.Any, tp.Any]] = {}  # PR: nnx_transforms
     # Root paths two roots would share: a sow under them raises.
     self.shared: dict[Path, str] = {}
-    self.merged = _Merged()
+    self.merged = _Merged()  # PR: nnx_transforms
     # Lazy roots (defer_roots): what names them, and the splits and merges
     # Flax made before they were named, replayed in order when they are.
-    self._pending: tuple[tuple, dict, tp.Any] | None = None
-    self._events: list[tuple[bool, tp.Any, tp.Any]] = []
-    self._unnamed: tuple | None = None
+    self._pending: tuple[tuple, dict, tp.Any] | None = None  # PR: nnx_functional
+    self._events: list[tuple[bool, tp.Any, tp.Any]] = []  # PR: nnx_functional
+    self._unnamed: tuple | None = None  # PR: nnx_functional
     # The JAX trace the captured function's top level runs in (trace_key).
-    self._trace_state: tp.Any = None
+    self._trace_state: tp.Any = None  # PR: nnx_functional
     # nnx.capture: where its function's top level runs (start_call), the
     # sows held in Python there and the names given to the core (shims.py).
     self.top_trace: tp.Any = None
@@ -371,7 +373,7 @@ class Scope:
     self.prefix: dict[tuple[Path, type], tuple] = {}
     # Set by ActiveScope: the capture runs inside the body of an NNX
     # transform that may slice module state (``slices.py``).
-    self.inside_frames = False
+    self.inside_frames = False  # PR: nnx_transforms
 
   def start_call(self) -> None:
     """Marks the current JAX trace as the captured function's top level."""
@@ -394,7 +396,7 @@ class Scope:
         and _tracers.current_jax_trace() == self.top_trace
     )
 
-  def defer_roots(self, args: tuple, kwargs: dict, f) -> None:
+  def defer_roots(self, args: tuple, kwargs: dict, f) -> None:  # PR: nnx_functional
     """Names the roots of ``args``/``kwargs`` and ``f`` (:meth:`add_roots`)
     when a path is first asked for, not now: a call in which no module
     sows costs the scope nothing more."""
@@ -405,7 +407,7 @@ class Scope:
     """:meth:`add_roots` of ``args``/``kwargs`` and what ``f`` refers to."""
     self.add_roots(args, kwargs, f, referenced_graph_nodes(f))
 
-  def _ensure_roots(self) -> None:
+  def _ensure_roots(self) -> None:  # PR: nnx_functional
     pending = self._pending
     if pending is None:
       return
@@ -465,7 +467,7 @@ class Scope:
     :func:`_unnamed_key` while its roots are not named, else what decides
     the names and returns of ``Module.sow`` (tags, roots' paths and
     types)."""
-    if self._pending is not None:
+    if self._pending is not None:  # PR: nnx_functional
       return self._unnamed
     return (*self._cheap_fingerprint(), tuple(self.structure))
 
@@ -473,12 +475,13 @@ class Scope:
 
   def resolve(self, obj) -> Path | None:
     """``obj``'s path from the roots and the copies linked to them."""
-    self._ensure_roots()
+    self._ensure_roots()  # PR: nnx_functional
     hit = self.nodes.get(id(obj))
     if hit is not None and hit[0] is obj:
       return hit[1]
-    node = obj
-    for _ in range(64):  # through nested NNX transforms in graph mode
+    node = obj  # PR: nnx_transforms
+    for _ in range(64):  # PR: nnx_transforms
+      # Through nested NNX transforms in graph mode.
       node = _outer_object(node)
       if node is None:
         return None
@@ -494,7 +497,8 @@ class Scope:
     it does not name one module (``None`` when it does)."""
     path = self.resolve(obj)
     if path is None:
-      hit = self.merged.get(obj, self.structure)
+      hit = None
+      hit = self.merged.get(obj, self.structure)  # PR: nnx_transforms
       return None if hit is None else (hit[1], hit[2])
     prefixes = (path[:k] for k in range(len(path) + 1))
     return path, next(
@@ -503,16 +507,16 @@ class Scope:
 
   # Facts from Flax (the hooks below) ----------------------------------------
 
-  def note_split(self, graphdef, node) -> None:
-    if self._pending is not None:
+  def note_split(self, graphdef, node) -> None:  # PR: nnx_transforms
+    if self._pending is not None:  # PR: nnx_functional
       self._events.append((True, graphdef, node))
       return
     self.splits[id(graphdef)] = (graphdef, node)
 
-  def note_derived(self, graphdef, derived) -> None:
+  def note_derived(self, graphdef, derived) -> None:  # PR: nnx_transforms
     """``derived`` is ``graphdef`` with its outer index changed: an object
     merged from it is a copy of what ``graphdef`` was split from."""
-    if self._pending is not None:
+    if self._pending is not None:  # PR: nnx_functional
       for is_split, split_graphdef, node in reversed(self._events):
         if is_split and split_graphdef is graphdef:
           self._events.append((True, derived, node))
@@ -522,8 +526,8 @@ class Scope:
     if hit is not None and hit[0] is graphdef:
       self.splits[id(derived)] = (derived, hit[1])
 
-  def note_merge(self, graphdef, node) -> None:
-    if self._pending is not None:
+  def note_merge(self, graphdef, node) -> None:  # PR: nnx_transforms
+    if self._pending is not None:  # PR: nnx_functional
       self._events.append((False, graphdef, node))
       return
     if self.nodes.get(id(node), (None,))[0] is node:
@@ -533,12 +537,12 @@ class Scope:
       return
     self.merged.pending.append((graphdef, node))
 
-  def pair(self, source, copy) -> bool:
+  def pair(self, source, copy) -> bool:  # PR: nnx_transforms
     """Gives each graph node of ``copy`` the path of ``source``'s at its place.
 
     Returns whether ``source`` held a node this scope knows.
     """
-    self._ensure_roots()
+    self._ensure_roots()  # PR: nnx_functional
     at = dict(_graph_nodes(source))
     found = False
     for rel, child in _graph_nodes(copy):
@@ -560,8 +564,8 @@ class Scope:
           self.merged.nodes.setdefault(id(child), (child, *hit[1:]))
     return found
 
-  def note_transform_copies(self, outer: dict, inner: dict) -> None:
-    self._ensure_roots()
+  def note_transform_copies(self, outer: dict, inner: dict) -> None:  # PR: nnx_transforms
+    self._ensure_roots()  # PR: nnx_functional
     for key, copy in inner.items():
       original = outer.get(key)
       if original is not None and type(original) is type(copy):
@@ -571,14 +575,14 @@ class Scope:
 # The generation of the keys of unnamed scopes (Scope.fingerprint): a new
 # one each time a scope names its roots inside a trace JAX may have cached
 # under the current generation's key (a counter, like perturb's ordinals).
-_UNNAMED_GENERATION = [0]
+_UNNAMED_GENERATION = [0]  # PR: nnx_functional
 _GENERATION_LOCK = threading.Lock()
 # Part of every scope's key (Scope.forget_traces): a new value each time a
 # trace made inside a capture holds a value folded in Python at its top.
 _HELD_GENERATION = [0]
 
 
-def _unnamed_key(cheap) -> tuple:
+def _unnamed_key(cheap) -> tuple:  # PR: nnx_functional
   """A scope's part of the jit cache key while its roots are not named.
 
   Equal for the unnamed scopes with the same tags on one thread, so that
@@ -591,7 +595,7 @@ def _unnamed_key(cheap) -> tuple:
   return ('unnamed', cheap, _UNNAMED_GENERATION[0], threading.get_ident())
 
 
-class _busy:
+class _busy:  # PR: nnx_transforms
   """While the scope flattens for itself, the hooks record nothing."""
 
   def __enter__(self):
@@ -602,7 +606,7 @@ class _busy:
     LOCAL.busy = self.was
 
 
-def _outer_object(obj):
+def _outer_object(obj):  # PR: nnx_transforms
   """The caller's object that an NNX transform merged into ``obj``, or None."""
   stacks = _graphlib.GRAPH_CONTEXT.update_context_stacks
   for stack in list(stacks.values()):
@@ -628,18 +632,18 @@ class ActiveScope:
   def __enter__(self):
     # What a tree-mode transform received is this call's (restored after),
     # and the transform bodies around it slice nothing inside it.
-    self._transform_args, LOCAL.transform_args = LOCAL.transform_args, None
-    self._frames, LOCAL.frames = LOCAL.frames, []
+    self._transform_args, LOCAL.transform_args = LOCAL.transform_args, None  # PR: nnx_transforms
+    self._frames, LOCAL.frames = LOCAL.frames, []  # PR: nnx_transforms
     # Whether this capture runs inside such a body of the capture around.
-    self.scope.inside_frames = bool(self._frames)
+    self.scope.inside_frames = bool(self._frames)  # PR: nnx_transforms
     LOCAL.scopes.append(self.scope)
     return self.scope
 
   def __exit__(self, *exc):
     popped = LOCAL.scopes.pop()
     assert popped is self.scope
-    LOCAL.transform_args = self._transform_args
-    LOCAL.frames = self._frames
+    LOCAL.transform_args = self._transform_args  # PR: nnx_transforms
+    LOCAL.frames = self._frames  # PR: nnx_transforms
 
 
 class trace_key:
@@ -653,7 +657,7 @@ class trace_key:
   """
 
   def __enter__(self):
-    for scope in LOCAL.scopes:
+    for scope in LOCAL.scopes:  # PR: nnx_functional
       if scope._pending is not None and scope._trace_state is None:  # pylint: disable=protected-access
         scope._trace_state = _tracers.current_jax_trace()  # pylint: disable=protected-access
     self._key = TRACE_KEY((_scopes_key(), ()))
@@ -667,7 +671,9 @@ def _scopes_key() -> tuple:
   """The scopes' fingerprints and how many transform bodies that may slice
   module state run now inside the innermost capture (``slices.py``: their
   sows are named and tagged differently)."""
-  return (*(s.fingerprint() for s in LOCAL.scopes), len(LOCAL.frames))
+  key = tuple(s.fingerprint() for s in LOCAL.scopes)
+  key += (len(LOCAL.frames),)  # PR: nnx_transforms
+  return key
 
 
 def rekey() -> None:
@@ -680,7 +686,7 @@ def rekey() -> None:
       TRACE_KEY_CONFIG.swap_local((key, current[1]))
 
 
-def _key_on_split(node) -> None:
+def _key_on_split(node) -> None:  # PR: nnx_transforms
   """Puts the paths of the modules in ``node`` (being split) in the key."""
   current = TRACE_KEY.value
   if not isinstance(current, tuple) or len(current) != 2:
@@ -749,13 +755,30 @@ def referenced_graph_nodes(f) -> list[tuple[tp.Any, Path]]:
   """Graph nodes ``f`` refers to, each with the variable that holds it.
 
   In a fixed order, without running ``f``: ``f`` itself (a Module, named
-  ``'self'``), else what :func:`_referenced_values` finds in ``f``,
-  following the functions found there a few levels deep. Containers
-  (``list``/``tuple``/``dict``) among them are searched as pytrees, the
-  keys added to the name.
+  ``'self'``), else what :func:`_search_references` finds in ``f`` (without
+  it, only the ``__self__`` of a bound method of a graph node).
   """
   if is_graph_node(f):
     return [(f, ('self',))]
+  found = []
+  if isinstance(f, types.MethodType) and is_graph_node(f.__self__):
+    found = [_method_self(f)]
+  found = _search_references(f)  # PR: nnx_functional
+  return found
+
+
+def _method_self(fn: types.MethodType) -> tuple[tp.Any, Path]:
+  """A bound method's ``__self__``, named by the method's first parameter."""
+  code = getattr(fn.__func__, '__code__', None)
+  first = code.co_varnames[0] if code and code.co_argcount else 'self'
+  return fn.__self__, (first,)
+
+
+def _search_references(f) -> list[tuple[tp.Any, Path]]:  # PR: nnx_functional
+  """What :func:`_referenced_values` finds in ``f``, following the
+  functions found there a few levels deep. Containers (``list``/``tuple``/
+  ``dict``) among them are searched as pytrees, the keys added to the name.
+  """
   found: list[tuple[tp.Any, Path]] = []
   seen: set[int] = set()
 
@@ -782,7 +805,7 @@ def referenced_graph_nodes(f) -> list[tuple[tp.Any, Path]]:
   return found
 
 
-def _referenced_values(fn) -> tp.Iterator[tuple[tp.Any, Path]]:
+def _referenced_values(fn) -> tp.Iterator[tuple[tp.Any, Path]]:  # PR: nnx_functional
   """What the callable ``fn`` refers to directly, each with its name.
 
   The arguments of a ``functools.partial`` (by parameter or keyword name)
@@ -796,9 +819,7 @@ def _referenced_values(fn) -> tp.Iterator[tuple[tp.Any, Path]]:
     yield from _partial_values(fn)
     return
   if isinstance(fn, types.MethodType):
-    code = getattr(fn.__func__, '__code__', None)
-    first = code.co_varnames[0] if code and code.co_argcount else 'self'
-    yield fn.__self__, (first,)
+    yield _method_self(fn)
     fn = fn.__func__
   wrapped = getattr(fn, '__wrapped__', None)
   if wrapped is not None:
@@ -808,7 +829,7 @@ def _referenced_values(fn) -> tp.Iterator[tuple[tp.Any, Path]]:
     yield from _global_values(fn)
 
 
-def _partial_values(fn: functools.partial):
+def _partial_values(fn: functools.partial):  # PR: nnx_functional
   """A partial's function, and its arguments by parameter or keyword."""
   yield fn.func, ()
   try:
@@ -820,7 +841,7 @@ def _partial_values(fn: functools.partial):
   yield from ((a, (k,)) for k, a in fn.keywords.items())
 
 
-def _closure_values(fn: types.FunctionType):
+def _closure_values(fn: types.FunctionType):  # PR: nnx_functional
   """The contents of ``fn``'s closure cells, by free variable name."""
   for var, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
     try:
@@ -830,7 +851,7 @@ def _closure_values(fn: types.FunctionType):
     yield contents, (var,)
 
 
-def _global_values(fn: types.FunctionType):
+def _global_values(fn: types.FunctionType):  # PR: nnx_functional
   """The globals ``fn`` loads, by name; a function only when defined in
   ``fn``'s module (library code is not searched)."""
   for name in _global_names(fn.__code__):
@@ -842,7 +863,7 @@ def _global_values(fn: types.FunctionType):
       yield x, (name,)
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=4096)  # PR: nnx_functional
 def _global_names(code: types.CodeType) -> tuple[str, ...]:
   """The globals ``code`` (and the code nested in it) loads, in order."""
   names = {}
@@ -859,21 +880,21 @@ def _global_names(code: types.CodeType) -> tuple[str, ...]:
 # Hooks in Flax's split/merge and tree-mode transforms
 
 
-def _is_splittable(x) -> bool:
+def _is_splittable(x) -> bool:  # PR: nnx_transforms
   # A graph node or a container of them (nnx.split((model, optimizer))).
   return _graphlib.is_node(x) and not isinstance(x, nnx.Variable)
 
 
-def watching() -> bool:
+def watching() -> bool:  # PR: nnx_transforms
   """Whether a capture is active and the hooks should record."""
   return _watching()
 
 
-def _watching() -> bool:
+def _watching() -> bool:  # PR: nnx_transforms
   return bool(LOCAL.scopes) and not LOCAL.busy
 
 
-def _flatten(original, node, /, **kwargs):
+def _flatten(original, node, /, **kwargs):  # PR: nnx_transforms
   out = original(node, **kwargs)
   if _watching() and _is_splittable(node):
     for scope in LOCAL.scopes:
@@ -884,7 +905,7 @@ def _flatten(original, node, /, **kwargs):
   return out
 
 
-def _unflatten(original, graphdef, state, /, **kwargs):
+def _unflatten(original, graphdef, state, /, **kwargs):  # PR: nnx_transforms
   node = original(graphdef, state, **kwargs)
   if _watching() and _is_splittable(node):
     with _busy():
@@ -897,7 +918,7 @@ def _unflatten(original, graphdef, state, /, **kwargs):
   return node
 
 
-def _derived_graphdef(original, graphdef, /, *args, **kwargs):
+def _derived_graphdef(original, graphdef, /, *args, **kwargs):  # PR: nnx_transforms
   """A graphdef with its outer index changed comes from where ``graphdef``
   was split (``nnx.fori_loop``/``while_loop`` merge from such copies)."""
   out = original(graphdef, *args, **kwargs)
@@ -907,7 +928,7 @@ def _derived_graphdef(original, graphdef, /, *args, **kwargs):
   return out
 
 
-def split_source(graphdef) -> tp.Any:
+def split_source(graphdef) -> tp.Any:  # PR: nnx_transforms
   """The object an active scope saw split into ``graphdef``, or None."""
   for scope in LOCAL.scopes:
     hit = scope.split_sources.get(id(graphdef))
@@ -916,7 +937,7 @@ def split_source(graphdef) -> tp.Any:
   return None
 
 
-def _by_position(trees: tp.Mapping[str, tp.Any]) -> dict:
+def _by_position(trees: tp.Mapping[str, tp.Any]) -> dict:  # PR: nnx_transforms
   """The graph nodes in ``trees``, keyed by label and place."""
   return {
       path: node
@@ -925,7 +946,7 @@ def _by_position(trees: tp.Mapping[str, tp.Any]) -> dict:
   }
 
 
-def _check_no_aliases(original, fn_name, /, *, check=(), **kwargs):
+def _check_no_aliases(original, fn_name, /, *, check=(), **kwargs):  # PR: nnx_transforms
   out = original(fn_name, check=check, **kwargs)
   if _watching() and not check:
     # A tree-mode transform about to run: remember what it received.
@@ -933,7 +954,7 @@ def _check_no_aliases(original, fn_name, /, *, check=(), **kwargs):
   return out
 
 
-def _snapshot(original, args):
+def _snapshot(original, args):  # PR: nnx_transforms
   out = original(args)
   fields = getattr(args, '_fields', None)
   outer = LOCAL.transform_args
@@ -952,19 +973,19 @@ def _snapshot(original, args):
 
 
 # Wrapped in Flax by flax_hooks.py (its inventory says why).
-flax_hooks.register('graph_flatten', _flatten)
-flax_hooks.register('graph_unflatten', _unflatten)
-for _method in (
+flax_hooks.register('graph_flatten', _flatten)  # PR: nnx_transforms
+flax_hooks.register('graph_unflatten', _unflatten)  # PR: nnx_transforms
+for _method in (  # PR: nnx_transforms
     'with_no_outer_index',
     'with_same_outer_index',
     'with_matching_outer_index',
 ):
   flax_hooks.register(f'graphdef_{_method}', _derived_graphdef)
-flax_hooks.register('check_no_aliases', _check_no_aliases)
-flax_hooks.register('snapshot', _snapshot)
+flax_hooks.register('check_no_aliases', _check_no_aliases)  # PR: nnx_transforms
+flax_hooks.register('snapshot', _snapshot)  # PR: nnx_transforms
 
 
 # For ``slices.py``.
-graph_nodes = _graph_nodes
-outer_object = _outer_object
-busy = _busy
+graph_nodes = _graph_nodes  # PR: nnx_transforms
+outer_object = _outer_object  # PR: nnx_transforms
+busy = _busy  # PR: nnx_transforms

@@ -59,12 +59,12 @@ from flax.nnx import module as _module_lib
 from flax.nnx import variablelib as _variablelib
 
 from flax.nnx.sow.nnx import flax_hooks
-from flax.nnx.sow.nnx import hooks
+from flax.nnx.sow.nnx import hooks  # PR: nnx_functional
 from flax.nnx.sow.nnx import state as state_lib
 from flax.nnx.sow.capturing import stage_and_collect
 from flax.nnx.sow.nnx.calls import functional_graph_call
 from flax.nnx.sow.nnx import scope as scope_lib
-from flax.nnx.sow.nnx import slices
+from flax.nnx.sow.nnx import slices  # PR: nnx_transforms
 from flax.nnx.sow.nnx.scope import LOCAL
 from flax.nnx.sow.nnx.scope import Path
 from flax.nnx.sow.nnx.scope import Scope
@@ -101,7 +101,7 @@ class PerturbationInit:
 _ZEROS = '__perturbation_init__'
 # A reduced sow by a module an NNX transform slices comes back as one entry,
 # stacked per slice, under ``(_SLICED, *name)`` (``slices.py``).
-_SLICED = '__sliced__'
+_SLICED = '__sliced__'  # PR: nnx_transforms
 
 
 def _zeros_name(full: Path) -> Path:
@@ -115,9 +115,11 @@ def _last(acc, value):
 
 def _slicing(self, scope, variable_type, name, what: str) -> list:
   """``slices.slicing_frames``, raising naming the sow where it cannot
-  tell whether a transform slices the module."""
-  try:
-    return slices.slicing_frames(self, variable_type, scope)
+  tell whether a transform slices the module (none without ``slices.py``,
+  where no copy that an NNX transform makes of a module is named)."""
+  frames = []
+  try:  # PR: nnx_transforms
+    frames = slices.slicing_frames(self, variable_type, scope)
   except slices.Undecided as e:
     raise ValueError(
         f'{_where(self, variable_type, name, what)}: {e}. Flax keeps this'
@@ -126,23 +128,24 @@ def _slicing(self, scope, variable_type, name, what: str) -> list:
         ' state sliced) or None/nnx.Carry (none of it), or sow without'
         ' reduce_fn/init_fn and init= (a plain sow is stacked either way).'
     ) from None
+  return frames
 
 
 def _reduced_sow(scope, frames, value, full, tag, reduce_fn, init_fn, fixed):
   """A reduced sow: folded per slice of the innermost transform that slices
   the module (``frames``), else one accumulator in the capture."""
-  if not frames:
-    sow_site(value, full, tag, reduce_fn, init_fn, fixed_type=fixed)
+  if frames:  # PR: nnx_transforms
+    outer = (_SLICED, *full) if scope.kind == 'nnx' else full
+    sow_site(
+        value,
+        slices.local_name(outer, tag),
+        frames[-1].tag,
+        reduce_fn,
+        init_fn,
+        fixed_type=fixed,
+    )
     return
-  outer = (_SLICED, *full) if scope.kind == 'nnx' else full
-  sow_site(
-      value,
-      slices.local_name(outer, tag),
-      frames[-1].tag,
-      reduce_fn,
-      init_fn,
-      fixed_type=fixed,
-  )
+  sow_site(value, full, tag, reduce_fn, init_fn, fixed_type=fixed)
 
 
 def _state_sow(scope, frames, value, full, tag) -> None:
@@ -299,6 +302,23 @@ def _where(self, variable_type, name, what: str) -> str:
   )
 
 
+# What gives a module a path, for the error of :func:`_unnamed`.
+_NAMED_BY = ['as an argument of the captured function']
+_NAMED_BY.append('refer to it from that function')  # PR: nnx_functional
+_NAMED_BY.append('build it there with nnx.merge(graphdef, state)')  # PR: nnx_transforms
+# The copies that have no path.
+_UNNAMED_COPIES = (
+    'a copy that a transform (nnx.jit, nnx.scan, nnx.split/nnx.merge,'
+    ' jax.jit, ...) made of a module'
+)
+_UNNAMED_COPIES = (  # PR: nnx_transforms
+    'a copy that a plain JAX transform (jax.jit, jax.vmap, ...) made of a'
+    ' Module passed to it as a pytree: use the NNX transform (nnx.jit,'
+    ' nnx.vmap, ...; graph=False works too), or let the transformed'
+    ' function close over the module'
+)
+
+
 def _unnamed(self, variable_type, name, what: str) -> bool:
   """A sow inside a capture by a module no active capture can name.
 
@@ -307,16 +327,13 @@ def _unnamed(self, variable_type, name, what: str) -> bool:
   """
   if not any(scope.accepts(variable_type) for scope in LOCAL.scopes):
     return False
+  ways = ', '.join(_NAMED_BY[:-1]) + ', or ' if len(_NAMED_BY) > 1 else ''
   raise ValueError(
       f'{_where(self, variable_type, name, what)}: no active capture can'
       ' tell which module this is, so the value has no name. Pass the'
-      ' module (or one that contains it) as an argument of the captured'
-      ' function, refer to it from that function, or build it there with'
-      ' nnx.merge(graphdef, state); a module created inside the captured'
-      ' function has no path, and neither has a copy that a plain JAX'
-      ' transform (jax.jit, jax.vmap, ...) made of a Module passed to it as'
-      ' a pytree: use the NNX transform (nnx.jit, nnx.vmap, ...; graph=False'
-      ' works too), or let the transformed function close over the module.'
+      f' module (or one that contains it) {ways}{_NAMED_BY[-1]}; a module'
+      ' created inside the captured function has no path, and neither has'
+      f' {_UNNAMED_COPIES}.'
   )
 
 
@@ -411,7 +428,7 @@ def module_sow(
     _to_core(where, lambda: _core_sow(value, name=full, tag=variable_type))
     return accepted
   frames = _slicing(self, scope, variable_type, name, 'sow')
-  if has_init and held is init[1]:
+  if has_init and held is init[1]:  # PR: nnx_transforms
     held = slices.init_row(frames, key, init[1])
   if held is not _NOTHING:
     if not has_init and not scope.at_top():
@@ -482,7 +499,8 @@ def module_perturb(self, name: str, value, variable_type=nnx.Perturbation):
   if init is not None and init[0] is variable_type:
     frames = _slicing(self, scope, variable_type, name, 'perturb')
     # Flax slices the init= value like the module's state.
-    row = slices.init_row(frames, (full, variable_type), init[1])
+    row = init[1]
+    row = slices.init_row(frames, (full, variable_type), row)  # PR: nnx_transforms
     if accepted:
       _state_sow(scope, frames, row, _zeros_name(full), tag)
     return jax.tree.map(operator.add, row, value)
@@ -503,7 +521,7 @@ def module_perturb(self, name: str, value, variable_type=nnx.Perturbation):
 # --------------------------------------------------------------------------
 
 
-def _record_method_output(self, method_name: str, result) -> None:
+def _record_method_output(self, method_name: str, result) -> None:  # PR: nnx_functional
   """Sows ``result`` under ``(*path, method_name)`` for the innermost
   ``nnx.capture(..., method_outputs=T)`` that names ``self``."""
   scopes = [s for s in reversed(LOCAL.scopes) if s.method_outputs]
@@ -531,7 +549,7 @@ def _record_method_output(self, method_name: str, result) -> None:
       _core_sow(result, name=full, tag=scope.method_outputs)
 
 
-hooks.method_output_recorder = _record_method_output
+hooks.method_output_recorder = _record_method_output  # PR: nnx_functional
 
 
 # --------------------------------------------------------------------------
@@ -582,7 +600,7 @@ def _sum_entries(entries: tuple):
     return entries
 
 
-def _stacked(name: Path, entries: tuple, variable_type):
+def _stacked(name: Path, entries: tuple, variable_type):  # PR: nnx_transforms
   """The one entry of the accumulators of a sliced module, stacked."""
   if len(entries) == 1:
     return entries[0]
@@ -607,7 +625,7 @@ def _build_state(collected, variable_type, held: dict):
   """
   flat: dict[Path, tp.Any] = {}
   for name, value in collected.items():
-    if isinstance(name, tuple) and name[0] == _SLICED:
+    if isinstance(name, tuple) and name[0] == _SLICED:  # PR: nnx_transforms
       name, value = name[1:], _stacked(name[1:], value, variable_type)
     if isinstance(name, tuple) and name[0] == _ZEROS:
       full = name[1:]
@@ -801,6 +819,13 @@ def _capture_each(keys: tuple, pure_f, args: tuple, kwargs: dict):
   return out, (collected, *rest)
 
 
+# Wraps the public methods of the given classes while a call runs, for
+# ``method_outputs=`` (``hooks.wrapped``: the method wrapper that
+# ``module_outputs`` shares); ``None`` without ``hooks.py``.
+_wrap_methods = None
+_wrap_methods = hooks.wrapped  # PR: nnx_functional
+
+
 @contextlib.contextmanager
 def _methods_sowing_outputs(module, method_outputs: type | None):
   """With ``method_outputs``, the public methods of the classes of
@@ -809,12 +834,19 @@ def _methods_sowing_outputs(module, method_outputs: type | None):
   if method_outputs is None:
     yield
     return
+  if _wrap_methods is None:
+    raise NotImplementedError(
+        'nnx.capture(method_outputs=...): this version of flax.nnx.sow does'
+        ' not sow the outputs of module methods (module calls as hook'
+        ' points, flax/nnx/sow/nnx/hooks.py); capture without'
+        ' method_outputs=.'
+    )
   classes = {
       type(m)
       for _, m in nnx.iter_graph(module, graph=True)
       if isinstance(m, nnx.Module)
   }
-  with hooks.wrapped(classes):
+  with _wrap_methods(classes):
     yield
 
 

@@ -29,10 +29,10 @@ import typing as tp
 
 from flax import nnx
 
-from flax.nnx.sow.inject import values_converters
+from flax.nnx.sow.inject import values_converters  # PR: nnx_functional
 from flax.nnx.sow import api
 from flax.nnx.sow import primitive
-from flax.nnx.sow.capturing import Collected
+from flax.nnx.sow.capturing import Collected  # PR: nnx_functional
 
 Name = primitive.Name
 VariableType = type[nnx.Variable]
@@ -40,9 +40,9 @@ TypeSpec = tp.Union[VariableType, tp.Callable[[Name], VariableType]]
 
 __all__ = [
     'collected_to_state',
-    'flatten_names',
+    'flatten_names',  # PR: nnx_functional
     'name_to_path',
-    'state_to_collected',
+    'state_to_collected',  # PR: nnx_functional
 ]
 
 # The order of the names a State was built from (an instance attribute that
@@ -148,7 +148,7 @@ def collected_to_state(
   return root
 
 
-def state_to_collected(
+def state_to_collected(  # PR: nnx_functional
     state: tp.Mapping[tp.Any, tp.Any],
 ) -> Collected:
   """Flattens a path-keyed State of Variables into a flat ``collected`` dict.
@@ -200,7 +200,7 @@ def state_to_collected(
   return Collected(out)
 
 
-def flatten_names(
+def flatten_names(  # PR: nnx_functional
     collected: tp.Mapping[Name, tp.Any], sep: str = '/'
 ) -> Collected:
   """``collected`` with every name written as one string, parts joined by sep.
@@ -253,7 +253,7 @@ def flatten_names(
   return out
 
 
-def _state_as_values(values):
+def _state_as_values(values):  # PR: nnx_functional
   """A path-keyed ``nnx.State`` (as ``nnx.capture`` returns) as the
   ``values`` of ``intervene``; ``None`` for anything else."""
   if not isinstance(values, nnx.State):
@@ -268,4 +268,4 @@ def _state_as_values(values):
   return out
 
 
-values_converters.append(_state_as_values)
+values_converters.append(_state_as_values)  # PR: nnx_functional

@@ -40,10 +40,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import threading
 import typing as tp
 
 from flax.nnx.sow import _jax
+from flax.nnx.sow import inventory
 
 JAX_VERSIONS = 'jax 0.10.2 (jax>=0.10.2,<0.11 in pyproject.toml)'
 
@@ -452,10 +452,16 @@ INVENTORY: tuple[Patch, ...] = (
     ),
 )
 
-_BY_NAME = {p.name: p for p in INVENTORY}
-_REGISTERED: dict[str, tp.Callable] = {}
-_LOCK = threading.Lock()
-_installed = False
+def _put(patch: Patch, wrapper: tp.Callable) -> None:
+  patch.apply(wrapper)
+
+
+_INVENTORY = inventory.Inventory(
+    'the patch inventory (_jax_patches.py)',
+    lambda: INVENTORY,
+    _put,
+    once=True,
+)
 
 
 def register(name: str, wrapper: tp.Callable) -> None:
@@ -464,9 +470,7 @@ def register(name: str, wrapper: tp.Callable) -> None:
   Raises:
     KeyError: ``name`` is not in the inventory.
   """
-  if name not in _BY_NAME:
-    raise KeyError(f'{name!r} is not in the patch inventory (_jax_patches.py)')
-  _REGISTERED[name] = wrapper
+  _INVENTORY.register(name, wrapper)
 
 
 def install() -> None:
@@ -476,19 +480,9 @@ def install() -> None:
   process (later calls return at once), and a thread that calls it while
   another is installing waits until every patch is in place.
   """
-  global _installed
-  if _installed:
-    return
-  with _LOCK:
-    if _installed:
-      return
-    for patch in INVENTORY:
-      wrapper = _REGISTERED.get(patch.name)
-      if wrapper is not None:
-        patch.apply(wrapper)
-    _installed = True
+  _INVENTORY.install()
 
 
 def installed() -> bool:
   """Whether :func:`install` has run in this process."""
-  return _installed
+  return _INVENTORY.ran

@@ -21,7 +21,8 @@ public hook Flax would add so that the entry can go. The owning files
 :func:`register` their replacement at import; :func:`install` puts every
 registered one in place, in the order of the inventory, and
 :func:`uninstall` restores Flax's originals (both idempotent and
-thread-safe; ``nnx_shims.install()``/``uninstall()`` call them).
+thread-safe; ``nnx_shims.install()``/``uninstall()`` call them), with the
+mechanism of every inventory of the package (``inventory.Inventory``).
 
 One entry is per call, not installed: ``nnx.capture(method_outputs=T)``
 wraps the public methods of the Module classes it runs, for the duration of
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools  # PR: nnx_transforms
-import threading
 import typing as tp
 
 from flax import nnx
@@ -44,6 +44,8 @@ from flax.nnx import graphlib as _graphlib  # PR: nnx_transforms
 from flax.nnx import module as _module_lib
 from flax.nnx.nn import attention as _attention_lib  # PR: nnx_functional
 from flax.nnx.transforms import iteration as _iteration  # PR: nnx_transforms
+
+from flax.nnx.sow import inventory
 
 FLAX_VERSIONS = 'flax 0.12.8 (flax>=0.12.8,<0.13 in pyproject.toml)'
 
@@ -237,12 +239,34 @@ INVENTORY: tuple[Hook, ...] = (
     ),
 )
 
-_BY_NAME = {h.name: h for h in INVENTORY}
 # The Flax objects as they were when the NNX layer was imported.
 _ORIGINALS = {h.name: getattr(*h.targets[0]) for h in INVENTORY if h.targets}
-_REGISTERED: dict[str, tp.Callable] = {}
 _REPLACEMENTS: dict[str, tp.Callable] = {}  # made once: identity is stable
-_LOCK = threading.RLock()
+
+
+def _put(hook: Hook, given: tp.Callable) -> None:
+  del given  # made once, by ``replacement``
+  new = replacement(hook.name)
+  for owner, attribute in hook.targets:
+    if getattr(owner, attribute) is not new:
+      setattr(owner, attribute, new)
+
+
+def _take_out(hook: Hook) -> None:
+  new = _REPLACEMENTS.get(hook.name)
+  for owner, attribute in hook.targets:
+    if new is not None and getattr(owner, attribute) is new:
+      setattr(owner, attribute, _ORIGINALS[hook.name])
+
+
+_INVENTORY = inventory.Inventory(
+    'the Flax hook inventory',
+    lambda: INVENTORY,
+    _put,
+    _take_out,
+    registrable=lambda hook: not hook.per_call,
+)
+_LOCK = _INVENTORY.lock
 
 
 def register(name: str, replacement: tp.Callable) -> None:
@@ -251,11 +275,8 @@ def register(name: str, replacement: tp.Callable) -> None:
   Raises:
     KeyError: ``name`` is not an installed entry of the inventory.
   """
-  hook = _BY_NAME.get(name)
-  if hook is None or hook.per_call:
-    raise KeyError(f'{name!r} is not in the Flax hook inventory')
   with _LOCK:
-    _REGISTERED[name] = replacement
+    _INVENTORY.register(name, replacement)
     _REPLACEMENTS.pop(name, None)
 
 
@@ -269,8 +290,8 @@ def replacement(name: str) -> tp.Any:
   with _LOCK:
     made = _REPLACEMENTS.get(name)
     if made is None:
-      made = given = _REGISTERED[name]
-      hook = _BY_NAME[name]
+      made = given = _INVENTORY.registered(name)
+      hook = _INVENTORY.entry(name)
       if hook.wraps:  # PR: nnx_transforms
         on_class = any(isinstance(owner, type) for owner, _ in hook.targets)
         made = _wrapping(given, _ORIGINALS[name], on_class)
@@ -300,32 +321,21 @@ def install() -> None:
 
   Idempotent.
   """
-  with _LOCK:
-    for hook in INVENTORY:
-      if hook.name in _REGISTERED:
-        new = replacement(hook.name)
-        for owner, attribute in hook.targets:
-          if getattr(owner, attribute) is not new:
-            setattr(owner, attribute, new)
+  _INVENTORY.install()
 
 
 def uninstall() -> None:
   """Restores Flax's originals where a replacement is in place; idempotent."""
-  with _LOCK:
-    for hook in reversed(INVENTORY):
-      new = _REPLACEMENTS.get(hook.name)
-      for owner, attribute in hook.targets:
-        if new is not None and getattr(owner, attribute) is new:
-          setattr(owner, attribute, _ORIGINALS[hook.name])
+  _INVENTORY.uninstall()
 
 
 def installed() -> bool:
   """Whether every registered replacement is in place."""
   with _LOCK:
-    return bool(_REGISTERED) and all(
+    return _INVENTORY.has_registrations() and all(
         getattr(owner, attribute) is _REPLACEMENTS.get(hook.name)
         for hook in INVENTORY
-        if hook.name in _REGISTERED
+        if _INVENTORY.registered(hook.name) is not None
         for owner, attribute in hook.targets
     )
 

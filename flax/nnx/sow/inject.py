@@ -134,21 +134,40 @@ _TYPE_RULE = (
 )
 
 
-class Replacements:
-  """The replacements of one scope, and how many entries it has handed out.
+class Injector:
+  """Evaluates one scope of the program with its sows replaced.
 
-  ``values`` maps a name to a callable, applied to every sow of the name, or
-  to its array :class:`Entries`, one per sow in call order: a sow here takes
-  the next one (:meth:`replacement`), a sub-jaxpr the next ones its sows
-  consume (:meth:`take`). The errors for entries that cannot be matched to a
-  sow are raised here.
+  A scope is the top-level jaxpr or a sub-jaxpr a rule rewrites. The
+  injector holds the scope's replacements and how many entries it has
+  handed out: ``values`` maps a name to a callable, applied to every sow of
+  the name, or to its array :class:`Entries`, one per sow in call order: a
+  sow here takes the next one (:meth:`replacement`), a sub-jaxpr the next
+  ones its sows consume (:meth:`take`); the errors for entries that cannot
+  be matched to a sow are raised here. A sow it targets is bound on its
+  replacement; a sub-jaxpr is rewritten to take the array entries its sows
+  consume as extra inputs (:meth:`rewrite`), and evaluated with the
+  injector of its own scope (:meth:`inner`). Callables are shared by every
+  scope.
   """
 
-  def __init__(self, accepts_key, values: dict[Name, tp.Any], strict: bool):
+  def __init__(
+      self,
+      accepts_key,
+      values: dict[Name, tp.Any],
+      strict: bool,
+      token: tp.Any = None,
+      staging_key: Intervening | None = None,
+  ):
     self.accepts_key = accepts_key
     self.values = values  # name -> callable | Entries
     self.strict = strict
     self.next: collections.Counter = collections.Counter()
+    # One per intervene(...) call: rewrites that apply its callables are
+    # cached for it alone (see :meth:`Injector.cached`).
+    self.token = token
+    # The key intervene staged ``f`` with: custom rules traced later (when
+    # the intervened function is differentiated) are traced with it.
+    self.staging_key = staging_key
 
   # -- which sows are replaced ---------------------------------------------
 
@@ -339,35 +358,6 @@ class Replacements:
 
 # ----------------------------------------------------------------------------
 # A scope evaluated with them.
-
-
-class Injector(Replacements):
-  """Evaluates one scope of the program with its sows replaced.
-
-  A scope is the top-level jaxpr or a sub-jaxpr a rule rewrites. The
-  injector is its scope's :class:`Replacements` (which sows it replaces,
-  and the entries handed out so far); a sow it targets is bound on its
-  replacement; a sub-jaxpr is rewritten to take the array entries its sows
-  consume as extra inputs (:meth:`rewrite`), and evaluated with the
-  injector of its own scope (:meth:`inner`). Callables are shared by every
-  scope.
-  """
-
-  def __init__(
-      self,
-      accepts_key,
-      values: dict[Name, tp.Any],
-      strict: bool,
-      token: tp.Any = None,
-      staging_key: Intervening | None = None,
-  ):
-    super().__init__(accepts_key, values, strict)
-    # One per intervene(...) call: rewrites that apply its callables are
-    # cached for it alone (see :meth:`Injector.cached`).
-    self.token = token
-    # The key intervene staged ``f`` with: custom rules traced later (when
-    # the intervened function is differentiated) are traced with it.
-    self.staging_key = staging_key
 
   # -- sub-jaxprs ------------------------------------------------------------
 

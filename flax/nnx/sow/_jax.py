@@ -332,7 +332,9 @@ def stores_set_aside(fun: lu.WrappedFun):  # PR: custom
       s._val = v  # pylint: disable=protected-access
 
 
-def wrapped_like(fn: tp.Callable, fun: lu.WrappedFun) -> lu.WrappedFun:  # PR: custom
+def wrapped_like(  # PR: custom
+    fn: tp.Callable, fun: lu.WrappedFun
+) -> lu.WrappedFun:
   """``fn`` as a ``lu.WrappedFun`` with ``fun``'s debug information."""
   return lu.wrap_init(fn, debug_info=fun.debug_info)
 
@@ -356,7 +358,9 @@ def trace_to_closed_jaxpr(
   return ClosedJaxpr(jaxpr, consts)
 
 
-def with_source_info(closed: ClosedJaxpr, source_info) -> ClosedJaxpr:  # PR: toplevel
+def with_source_info(  # PR: toplevel
+    closed: ClosedJaxpr, source_info
+) -> ClosedJaxpr:
   """``closed`` with ``source_info`` on each of its top-level equations."""
   eqns = [e.replace(source_info=source_info) for e in closed.jaxpr.eqns]
   return ClosedJaxpr(closed.jaxpr.replace(eqns=eqns), closed.consts)
@@ -401,12 +405,16 @@ def as_value(x: tp.Any) -> tp.Any:
   return jnp.asarray(x)
 
 
-def eval_closed(closed: ClosedJaxpr, args: tp.Sequence[tp.Any]) -> list:  # PR: reductions
+def eval_closed(  # PR: reductions
+    closed: ClosedJaxpr, args: tp.Sequence[tp.Any]
+) -> list:
   """``eval_jaxpr`` of a closed jaxpr; literal outputs come back as arrays."""
   return [as_value(x) for x in eval_jaxpr(closed.jaxpr, closed.consts, *args)]
 
 
-def eval_fold(closed: ClosedJaxpr, args: tp.Sequence[tp.Any]) -> list:  # PR: reductions
+def eval_fold(  # PR: reductions
+    closed: ClosedJaxpr, args: tp.Sequence[tp.Any]
+) -> list:
   """:func:`eval_closed` for a ``reduce_fn`` traced at one site.
 
   Inside ``shard_map`` the jaxpr was traced with the accumulator's type as

@@ -260,7 +260,9 @@ def sow_site(value, name, tag, reduce_fn, init_fn, *, fixed_type: bool):
   return unflatten(treedef, out)
 
 
-def perturb(value: tp.Any, *, name: Name, tag: tp.Hashable = None) -> tp.Any:  # PR: perturb
+def perturb(  # PR: perturb
+    value: tp.Any, *, name: Name, tag: tp.Hashable = None
+) -> tp.Any:
   """Marks ``value`` so that a capture collects the cotangent arriving at it.
 
   Identity in the forward pass and under every transform. When the function

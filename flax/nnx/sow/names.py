@@ -65,7 +65,9 @@ def grad_name(name: Name) -> tuple[tp.Union[str, int], ...]:  # PR: perturb
   return ('grad', *as_path(name))
 
 
-def did_you_mean(name: tp.Any, sown: tp.Iterable[tp.Any]) -> str:  # PR: intervene
+def did_you_mean(  # PR: intervene
+    name: tp.Any, sown: tp.Iterable[tp.Any]
+) -> str:
   """``' Did you mean ...?'`` (empty when nothing is close), then the names
   the program sows (at most 10 of them)."""
   sown = list(dict.fromkeys(sown))

@@ -272,7 +272,9 @@ def edit_sows_in_jaxpr(  # PR: toplevel
   return _jax.edit_jaxpr(jaxpr, eqns, jaxpr.outvars)
 
 
-def edit_sows_in(value, edit: tp.Callable, in_custom_call: bool):  # PR: toplevel
+def edit_sows_in(  # PR: toplevel
+    value, edit: tp.Callable, in_custom_call: bool
+):
   """A parameter's value, with :func:`edit_sows` applied to its jaxprs."""
   if isinstance(value, _jax.Jaxpr):
     return edit_sows_in_jaxpr(value, edit, in_custom_call)

@@ -71,7 +71,9 @@ def permuted(closed: _jax.ClosedJaxpr, in_order, out_order):  # PR: loops
   )
 
 
-def carries_moved(body: _jax.ClosedJaxpr, n_consts: int, n_extra: int):  # PR: loops
+def carries_moved(  # PR: loops
+    body: _jax.ClosedJaxpr, n_consts: int, n_extra: int
+):
   """A loop body's extra carries moved to where ``scan`` and ``while`` take
   them (cached, without re-tracing).
 

@@ -234,7 +234,9 @@ def _uncross_out(out, nodes):  # PR: nnx_functional
   )
 
 
-def _variables_call(stage, f, leaves, treedef, positions, variables):  # PR: nnx_functional
+def _variables_call(  # PR: nnx_functional
+    stage, f, leaves, treedef, positions, variables
+):
   """:func:`_split_call` when the graph leaves are plain Variables only
   (an ``nnx.State`` among the arguments).
 
@@ -264,7 +266,9 @@ def _variables_call(stage, f, leaves, treedef, positions, variables):  # PR: nnx
   return _uncross_out(out, unique), extra
 
 
-def _split_call(stage, f, scope, leaves, treedef, positions, nodes):  # PR: nnx_functional
+def _split_call(  # PR: nnx_functional
+    stage, f, scope, leaves, treedef, positions, nodes
+):
   graphdef, plain, refs, kept = nnx.split(nodes, _is_plain, _is_traced, ...)
   before = jax.tree.leaves(plain)
   rest = list(leaves)
@@ -296,7 +300,9 @@ def _split_call(stage, f, scope, leaves, treedef, positions, nodes):  # PR: nnx_
   return _uncross_out(out, nodes), extra
 
 
-def _graph_node_call(stage, f, scope, leaves, treedef, positions, nodes):  # PR: nnx_functional
+def _graph_node_call(  # PR: nnx_functional
+    stage, f, scope, leaves, treedef, positions, nodes
+):
   if all(_is_plain_variable(n) for n in nodes):
     return _variables_call(stage, f, leaves, treedef, positions, nodes)
   return _split_call(stage, f, scope, leaves, treedef, positions, nodes)

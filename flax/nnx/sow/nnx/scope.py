@@ -396,7 +396,9 @@ class Scope:
         and _tracers.current_jax_trace() == self.top_trace
     )
 
-  def defer_roots(self, args: tuple, kwargs: dict, f) -> None:  # PR: nnx_functional
+  def defer_roots(  # PR: nnx_functional
+      self, args: tuple, kwargs: dict, f
+  ) -> None:
     """Names the roots of ``args``/``kwargs`` and ``f`` (:meth:`add_roots`)
     when a path is first asked for, not now: a call in which no module
     sows costs the scope nothing more."""
@@ -564,7 +566,9 @@ class Scope:
           self.merged.nodes.setdefault(id(child), (child, *hit[1:]))
     return found
 
-  def note_transform_copies(self, outer: dict, inner: dict) -> None:  # PR: nnx_transforms
+  def note_transform_copies(  # PR: nnx_transforms
+      self, outer: dict, inner: dict
+  ) -> None:
     self._ensure_roots()  # PR: nnx_functional
     for key, copy in inner.items():
       original = outer.get(key)
@@ -805,7 +809,9 @@ def _search_references(f) -> list[tuple[tp.Any, Path]]:  # PR: nnx_functional
   return found
 
 
-def _referenced_values(fn) -> tp.Iterator[tuple[tp.Any, Path]]:  # PR: nnx_functional
+def _referenced_values(  # PR: nnx_functional
+    fn
+) -> tp.Iterator[tuple[tp.Any, Path]]:
   """What the callable ``fn`` refers to directly, each with its name.
 
   The arguments of a ``functools.partial`` (by parameter or keyword name)
@@ -918,7 +924,9 @@ def _unflatten(original, graphdef, state, /, **kwargs):  # PR: nnx_transforms
   return node
 
 
-def _derived_graphdef(original, graphdef, /, *args, **kwargs):  # PR: nnx_transforms
+def _derived_graphdef(  # PR: nnx_transforms
+    original, graphdef, /, *args, **kwargs
+):
   """A graphdef with its outer index changed comes from where ``graphdef``
   was split (``nnx.fori_loop``/``while_loop`` merge from such copies)."""
   out = original(graphdef, *args, **kwargs)
@@ -946,7 +954,9 @@ def _by_position(trees: tp.Mapping[str, tp.Any]) -> dict:  # PR: nnx_transforms
   }
 
 
-def _check_no_aliases(original, fn_name, /, *, check=(), **kwargs):  # PR: nnx_transforms
+def _check_no_aliases(  # PR: nnx_transforms
+    original, fn_name, /, *, check=(), **kwargs
+):
   out = original(fn_name, check=check, **kwargs)
   if _watching() and not check:
     # A tree-mode transform about to run: remember what it received.

@@ -521,7 +521,9 @@ def module_perturb(self, name: str, value, variable_type=nnx.Perturbation):
 # --------------------------------------------------------------------------
 
 
-def _record_method_output(self, method_name: str, result) -> None:  # PR: nnx_functional
+def _record_method_output(  # PR: nnx_functional
+    self, method_name: str, result
+) -> None:
   """Sows ``result`` under ``(*path, method_name)`` for the innermost
   ``nnx.capture(..., method_outputs=T)`` that names ``self``."""
   scopes = [s for s in reversed(LOCAL.scopes) if s.method_outputs]

@@ -731,5 +731,53 @@ class CustomVjpRuleThroughTheBodyTest(absltest.TestCase):
     np.testing.assert_allclose(got, [3.0, 3.0], rtol=1e-6)
 
 
+class RuleSkipsTheBodyTest(parameterized.TestCase):
+  """A custom_jvp/custom_vjp whose rule does not call the sowing body,
+  differentiated inside the intervened function: the call's value is the
+  rule's, which a replacement of the body's sow cannot reach, so intervene
+  raises (it returned the unreplaced value, silently). Around intervene the
+  replacement holds."""
+
+  @staticmethod
+  def _programs():
+    def body(x):
+      return sow(jnp.sin(x), name='s') * 1.0
+
+    f = jax.custom_jvp(body)
+    f.defjvp(lambda p, t: (jnp.sin(p[0]), jnp.cos(p[0]) * t[0] * 10.0))
+    g = jax.custom_vjp(body)
+    g.defvjp(
+        lambda x: (jnp.sin(x), x),
+        lambda r, ct: (jnp.cos(r) * ct * 10.0,),
+    )
+    return {'custom_jvp': f, 'custom_vjp': g}
+
+  @parameterized.parameters('custom_jvp', 'custom_vjp')
+  def test_a_derivative_inside_raises_naming_the_sow(self, kind):
+    fn = self._programs()[kind]
+    for values in ({'s': lambda v: v * 0.0 + 2.0}, {'s': (jnp.float32(2.0),)}):
+      for wrap in (lambda h: h, jax.jit):
+        with self.assertRaisesRegex(
+            NotImplementedError, r"sow 's'.*custom_(jvp|vjp)"
+        ):
+          intervene(wrap(jax.value_and_grad(fn)), values)(0.5)
+
+  @parameterized.parameters('custom_jvp', 'custom_vjp')
+  def test_around_intervene_and_other_names_are_exact(self, kind):
+    fn = self._programs()[kind]
+    value, grad = jax.value_and_grad(
+        intervene(fn, {'s': lambda v: v * 0.0 + 2.0})
+    )(0.5)
+    np.testing.assert_allclose(value, 2.0)  # the replaced body's value
+    np.testing.assert_allclose(grad, 10.0 * np.cos(0.5), rtol=1e-6)
+    # A sow outside the call is replaced as usual: 3 sin(x), 3 * 10 cos(x).
+    h = lambda x: sow(fn(x), name='o')
+    value, grad = intervene(
+        jax.value_and_grad(h), {'o': lambda v: 3.0 * v}
+    )(0.5)
+    np.testing.assert_allclose(value, 3.0 * np.sin(0.5), rtol=1e-6)
+    np.testing.assert_allclose(grad, 30.0 * np.cos(0.5), rtol=1e-6)
+
+
 if __name__ == '__main__':
   absltest.main()

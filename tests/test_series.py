@@ -81,8 +81,6 @@ REPRESENTATIVE = {
     'intervene': [
         'tests/test_intervene.py::TopLevelTest',
         'tests/test_intervene.py::RematTest',
-    ],
-    'jet': [
         'tests/test_constructs_extra.py::JetTest',
     ],
     'loops': [

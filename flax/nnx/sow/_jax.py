@@ -81,7 +81,7 @@ from jax._src.interpreters import partial_eval as pe
 from jax._src.lax import control_flow as lax_control_flow  # PR: partial_eval
 from jax._src.named_sharding import UNSPECIFIED
 from jax._src.state import types as state_types  # PR: reductions
-from jax.experimental import jet as jet_lib  # PR: jet
+from jax.experimental import jet as jet_lib
 from jax.extend import core as jex_core
 from jax.extend.core import primitives as jex_primitives
 
@@ -150,8 +150,7 @@ primitive_transposes = ad.primitive_transposes
 instantiate_zeros = ad.instantiate_zeros  # PR: perturb
 is_undefined_primal = ad.is_undefined_primal  # PR: intervene
 fancy_primitive_batchers = batching.fancy_primitive_batchers
-# jax.experimental.jet's rule registry.
-jet_rules = jet_lib.jet_rules  # PR: jet
+jet_rules = jet_lib.jet_rules  # jax.experimental.jet's rule registry
 register_lowering = mlir.register_lowering
 partial_eval_jaxpr_custom_rules = pe.partial_eval_jaxpr_custom_rules
 dce_rules = pe.dce_rules  # PR: partial_eval

@@ -98,9 +98,6 @@ class NoReducedNames:
   (``api.sow`` refuses a ``reduce_fn`` without it). The interface a
   :class:`Collector` and the construct rules use of ``self.reduced``."""
 
-  def __init__(self, collector: Collector):
-    del collector
-
   def __contains__(self, name: Name) -> bool:
     return False
 
@@ -115,9 +112,9 @@ class NoReducedNames:
     return tuple(specs)
 
 
-reduced_names: list[type] = [NoReducedNames]
-"""The class that keeps a :class:`Collector`'s reduced names, last one
-registered: ``accumulators.Accumulators`` (its ``fold``, ``absorb``,
+reduced_names: list[tp.Callable] = [lambda collector: NoReducedNames()]
+"""What keeps a :class:`Collector`'s reduced names, given the collector, last
+one registered: ``accumulators.Accumulators`` (its ``fold``, ``absorb``,
 ``enter`` and ``get`` serve what the reductions add here)."""
 
 

@@ -293,7 +293,7 @@ def _intervened_partial_eval(core_rule, saveable, unks_in, inst_in, eqn):
   return core_rule(saveable, unks_in, inst_in, eqn)
 
 
-def _intervened_jet(core_jet, primals, series, **params):  # PR: jet
+def _intervened_jet(core_jet, primals, series, **params):
   key = replacing(params) if params['effect'] else None
   if key is None and params['kind'] not in DERIVATIVE_KINDS:
     return core_jet(primals, series, **params)
@@ -319,4 +319,4 @@ _wrap(_jax.primitive_jvps, _intervened_jvp)
 _wrap(_jax.primitive_transposes, _intervened_transpose)
 _wrap(_jax.fancy_primitive_batchers, _intervened_batch)
 _wrap(_jax.partial_eval_jaxpr_custom_rules, _intervened_partial_eval)
-_wrap(_jax.jet_rules, _intervened_jet)  # PR: jet
+_wrap(_jax.jet_rules, _intervened_jet)

@@ -411,14 +411,14 @@ def mapped_axis_first(x, dim: int | None, size: int):
 _jax.fancy_primitive_batchers[sow_p] = _sow_batch
 
 
-def _sow_jet(primals, series, **params):  # PR: jet
+def _sow_jet(primals, series, **params):
   # ``jax.experimental.jet``: the sow marks the primal (so a capture around
   # the jet collects it); the Taylor series pass through, as tangents do.
   out = sow_p.bind(*primals, **params)
   return out, list(series[: len(out)])
 
 
-_jax.jet_rules[sow_p] = _sow_jet  # PR: jet
+_jax.jet_rules[sow_p] = _sow_jet
 
 
 # ``perturb_tangent_p``: the tangent of a perturbed value. Linear, the
@@ -488,12 +488,12 @@ _jax.fancy_primitive_batchers[perturb_tangent_p] = (  # PR: perturb
 )
 
 
-def _perturb_tangent_jet(primals, series, **params):  # PR: jet
+def _perturb_tangent_jet(primals, series, **params):  # PR: perturb
   # The identity on the primal and on every term of its series.
   return perturb_tangent_p.bind(*primals, **params), list(series)
 
 
-_jax.jet_rules[perturb_tangent_p] = _perturb_tangent_jet  # PR: jet
+_jax.jet_rules[perturb_tangent_p] = _perturb_tangent_jet  # PR: perturb
 
 
 def _sow_partial_eval_custom(saveable, unks_in, inst_in, eqn):

@@ -64,6 +64,7 @@ from flax.nnx.sow.inject import intervene_rules
 from flax.nnx.sow.inject import one_body
 from flax.nnx.sow.inject import one_scope
 from flax.nnx.sow import intervening  # pylint: disable=unused-import
+from flax.nnx.sow.intervening import replacing
 from flax.nnx.sow.primitive import VALUE_KINDS
 from flax.nnx.sow.primitive import last_sow_bound
 from flax.nnx.sow.primitive import sow_p
@@ -1016,6 +1017,29 @@ def _refusing_tangent_sows(trace, args, params):
   return dict(params, subfuns=(fun, _jax.wrapped_like(run, jvp)))
 
 
+def _refuse_replaced_in_skipped_body(primitive, body, skipped) -> None:
+  """Raises where an ``intervene`` staging now replaces a sow of the body
+  that the rule does not run (``skipped`` names): the differentiated call's
+  output is the rule's, so the replacement could not reach it.
+
+  Raises:
+    NotImplementedError: naming the sow and the construct.
+  """
+  for s in sow_sites(body.jaxpr):
+    if s.name in skipped and s.kind in VALUE_KINDS and s.collectible:
+      if replacing(s.eqn.params) is not None:
+        what = construct_names.get(primitive, f'`{primitive.name}`')
+        raise NotImplementedError(
+            f'intervene: sow {s.name!r}{s.where} is in the body of a'
+            f' {what} function that is differentiated inside the'
+            ' intervened function, with a rule that does not call the'
+            " body: the call's value is then the rule's, which the"
+            ' replacement cannot reach. Differentiate outside intervene'
+            ' (jax.grad(intervene(f, values))), or call the function in'
+            ' its rule.'
+        )
+
+
 def _differentiated_custom_call(
     primitive, original, trace, args, avals, params, /
 ):
@@ -1039,6 +1063,7 @@ def _differentiated_custom_call(
       in_rule = _value_sow_names(rule)
   if not names or names <= in_rule:
     return original(trace, args, avals, called)
+  _refuse_replaced_in_skipped_body(primitive, body, names - in_rule)
   if _holds_remat_opt(rule.jaxpr):
     # custom_vjp(optimize_remat=True): JAX may run the primal function in
     # place of fwd (when its residuals are unused), with the body's sows, so

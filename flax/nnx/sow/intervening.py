@@ -52,7 +52,7 @@ from flax.nnx.sow.primitive import KEPT
 from flax.nnx.sow.primitive import Name
 from flax.nnx.sow.primitive import VJP_MARKER
 from flax.nnx.sow.primitive import accepts
-from flax.nnx.sow.primitive import mapped_axis_first
+from flax.nnx.sow.primitive import bind_mapped_first
 from flax.nnx.sow.primitive import perturb_tangents
 from flax.nnx.sow.primitive import sow_p
 from flax.nnx.sow.primitive import staging_keys
@@ -233,11 +233,7 @@ def _intervened_batch(core_batch, axis_data, leaves, dims, **params):
   replaced = key is not None and params['effect'] and key.replaces(params)
   if params['kind'] not in DERIVATIVE_KINDS and not replaced:
     return core_batch(axis_data, leaves, dims, **params)
-  moved = [
-      mapped_axis_first(x, d, axis_data.size) for x, d in zip(leaves, dims)
-  ]
-  params = dict(params, batch_dims=params['batch_dims'] + 1)
-  outs = sow_p.bind(*moved, **params)
+  outs = bind_mapped_first(axis_data, leaves, dims, params)
   # A marker is a function of the value and the tangent; ``intervene`` may
   # replace the value per example: every leaf comes back batched. (Only
   # such sows: an unbatched result stays unbatched, as ``vmap(...,
@@ -268,10 +264,8 @@ def _kept_unbatched(axis_data, leaves, params):
   # result stays unbatched (``jax.jacfwd`` needs its primal so); a capture
   # collects that result with the axis first, from a ``'hoisted'`` copy.
   kept = sow_p.bind(*leaves, **dict(params, kind=KEPT))
-  moved = [mapped_axis_first(x, None, axis_data.size) for x in kept]
-  sow_p.bind(
-      *moved, **dict(params, kind=HOISTED, batch_dims=params['batch_dims'] + 1)
-  )
+  hoisted = dict(params, kind=HOISTED)
+  bind_mapped_first(axis_data, kept, [None] * len(kept), hoisted)
   return kept, [None] * len(kept)
 
 

@@ -391,14 +391,19 @@ _jax.primitive_transposes[sow_p] = _sow_transpose
 def _sow_batch(axis_data, leaves, dims, **params):
   # The sown value gets the mapped axis first, like vmap's outputs; the
   # results keep the operands' own axes, so the sow stays an identity.
-  moved = [
-      mapped_axis_first(x, d, axis_data.size) for x, d in zip(leaves, dims)
-  ]
-  params = dict(params, batch_dims=params['batch_dims'] + 1)
-  outs = sow_p.bind(*moved, **params)
+  outs = bind_mapped_first(axis_data, leaves, dims, params)
   n = len(outs)  # the closure is batched with the value, not returned
   outs = [o if d is not None else x for o, x, d in zip(outs, leaves, dims)]
   return outs, [None if d is None else 0 for d in dims[:n]]
+
+
+def bind_mapped_first(axis_data, leaves, dims, params) -> list:
+  """Binds the sow with ``params`` on ``leaves`` moved mapped axis first
+  (broadcast where ``dims`` has ``None``): one more ``batch_dims``."""
+  moved = [
+      mapped_axis_first(x, d, axis_data.size) for x, d in zip(leaves, dims)
+  ]
+  return sow_p.bind(*moved, **dict(params, batch_dims=params['batch_dims'] + 1))
 
 
 def mapped_axis_first(x, dim: int | None, size: int):

@@ -24,6 +24,11 @@ so that their outputs become sows:
   Flax's ``nnx.capture(..., method_outputs=...)`` uses). ``capture``
   collects them, ``intervene`` replaces them (the replacement is what the
   module returns), ``grad=True`` also collects their cotangents.
+* a module passed as an argument to a plain JAX transform (``jax.jit``,
+  ``jax.vmap``, ``jax.grad``) runs as a copy that the transform made of
+  the pytree: its calls are named by the original's path
+  (``Scope.follow_copy``), so the names and values are those without the
+  transform (each such call retraces its ``jax.jit``).
 * the method wrapper that ``nnx.capture(..., method_outputs=T)`` installs
   (``shims.py``) is the same one: one wrapper per class serves both.
 
@@ -246,6 +251,8 @@ def _method_wrapper(method_name: str, method):
   @functools.wraps(method)
   def wrapper(self, *args, **kwargs):
     hooked = method_name == '__call__' and SCOPES.scopes and _LOCAL.requests
+    if hooked:
+      _name_early(self)
     if hooked and args and any(r.inputs for r in _LOCAL.requests):
       args = (_hook_point(self, args[0], 'input'), *args[1:])
     if hooked and _weights_requested(self):
@@ -264,13 +271,48 @@ def _method_wrapper(method_name: str, method):
 
 
 def _named(self, scopes, what: str):
+  """``self``'s scope and path, following the copies that plain JAX
+  transforms make (``Scope.follow_copy``).
+
+  Raises:
+    ValueError: ``self``'s path would be shared with another module's.
+    CopyError: ``self`` is a copy of one of several modules.
+  """
   try:
-    return scope_lib.innermost_naming(self, scopes)
+    return scope_lib.innermost_naming(self, scopes, follow_copies=True)
   except SharedPathError as e:
     raise ValueError(
         f'{what}: the output of {type(self).__name__} would be named'
         f' {e.path!r}, but {e.why}; give the modules distinct names.'
     ) from None
+
+
+def _name_early(self) -> None:
+  """Names ``self`` as its call starts: where it is a copy that a plain JAX
+  transform made (``jax.jit`` given the model), the copies of its
+  submodules, called before its output is sown, are then named with it."""
+  try:
+    _named(self, list(reversed(SCOPES.scopes)), 'module_outputs')
+  except ValueError:
+    pass  # raised when its output is sown, if that is a hook point
+
+
+def _copy_error(self, e: scope_lib.CopyError, what: str) -> ValueError:
+  names = ' or '.join(repr((*p, '__call__')) for p in e.paths)
+  cls = type(self).__name__
+  paths = ', '.join(map(repr, e.paths))
+  why = f'the modules at {paths} (e.g. nnx.clone copies) look the same to it'
+  if not e.owned:
+    why = f'{cls} shares its attribute table with every {cls}'
+  return ValueError(
+      f'{what}: the output of {cls} would be named {names}, but the module'
+      ' called is a copy that a plain JAX transform (jax.jit, jax.vmap,'
+      f' jax.grad, ...) made of a module passed to it as a pytree, and'
+      f' {why}.'
+      ' Pass the model through the NNX transform (nnx.jit, nnx.vmap, ...;'
+      ' graph=False works too), or let the transformed function close over'
+      ' the model.'
+  )
 
 
 def _hook_point(self, value, what: str | None = None):
@@ -289,7 +331,12 @@ def _hook_point(self, value, what: str | None = None):
 def _selecting_request(self):
   """``(path, request)``: ``self``'s path and the innermost request that
   selects it, or ``None``."""
-  found = _named(self, list(reversed(SCOPES.scopes)), 'module_outputs')
+  try:
+    found = _named(self, list(reversed(SCOPES.scopes)), 'module_outputs')
+  except scope_lib.CopyError as e:
+    if any(r.select(p, self) for r in _LOCAL.requests for p in e.paths):
+      raise _copy_error(self, e, 'module_outputs') from None
+    return None
   if found is None:
     return None
   _, path = found

@@ -56,10 +56,15 @@ Flax's own split/merge, the same on every run:
    scope has no other root and every such object has an equal graphdef.
 
 Facts 1-3 name a module exactly (:meth:`Scope.resolve`); 4 only where no
-fact 1-3 does (:class:`_Merged`). A sow is named by the innermost scope
-that accepts it and names the module (:func:`locate`). A module that no
-scope names (one created inside the call, or a copy a plain JAX transform
-made of a Module pytree) makes ``Module.sow`` raise
+fact 1-3 does (:class:`_Merged`). For ``module_outputs`` (``hooks.py``)
+one more fact names the copy that a plain JAX transform (``jax.jit``,
+``jax.vmap``, ``jax.grad``) made of a Module passed to it as a pytree: it
+holds the original's static attributes, among them the table of data
+attributes Flax gives each module (:meth:`Scope.follow_copy`). A sow is
+named by the innermost scope that accepts it and names the module
+(:func:`locate`). A module that no scope names (one created inside the
+call, or a copy a plain JAX transform made of a Module pytree that
+``module_outputs`` did not name) makes ``Module.sow`` raise
 (``shims.py``). Nothing is kept from one call to the next, and no
 attribute is set on any module. The four Flax functions are wrapped by
 ``flax_hooks.py`` (its inventory says why); outside a capture the wrappers
@@ -374,6 +379,10 @@ class Scope:
     # Set by ActiveScope: the capture runs inside the body of an NNX
     # transform that may slice module state (``slices.py``).
     self.inside_frames = False  # PR: nnx_transforms
+    # follow_copy: the named modules by their table of data attributes,
+    # and the sizes of ``nodes`` and ``merged.nodes`` it was built from.
+    self._tables: dict[int, list] = {}  # PR: nnx_functional
+    self._tables_size: tuple[int, int] | None = None  # PR: nnx_functional
 
   def start_call(self) -> None:
     """Marks the current JAX trace as the captured function's top level."""
@@ -566,6 +575,71 @@ class Scope:
           self.merged.nodes.setdefault(id(child), (child, *hit[1:]))
     return found
 
+  def follow_copy(  # PR: nnx_functional
+      self, obj
+  ) -> tuple[Path, str | None] | None:
+    """``obj``'s path (as :meth:`name_of` gives it) when ``obj`` is a copy
+    that a plain JAX transform made of a module this scope names.
+
+    ``jax.jit``, ``jax.vmap``, ``jax.grad``, ... given a Module as an
+    argument flatten it as a pytree and unflatten a copy inside; JAX's
+    unflatten gives the copy the original's static attributes by
+    reference. Among them is the table of data attributes that Flax gives
+    each module it constructs (``_pytree__nodes``; ``nnx.merge`` and
+    ``nnx.clone`` share it too): a copy whose table and static attributes
+    are those of the modules at one path is paired with them
+    (:meth:`pair`: its submodules get their paths too), and the jit caches
+    move on (:meth:`forget_traces`: the trace being made holds that path,
+    and the next call may copy another module of an equal structure).
+
+    Raises:
+      CopyError: the modules ``obj`` may be a copy of are at several
+        paths, or ``obj`` has its class's table (any module of its class
+        would look the same).
+    """
+    matches = self._copy_sources(obj)
+    if not matches:
+      return None
+    paths = sorted({path for _, path in matches}, key=repr)
+    owned = _table(obj) is not getattr(type(obj), '_pytree__nodes', None)
+    if len(paths) > 1 or not owned:
+      raise CopyError(paths, owned)
+    source = matches[0][0]
+    self.pair(source, obj)
+    if LOCAL.frames:
+      with _busy():
+        for observe in copy_observers:
+          observe(source, obj)
+    self.forget_traces()
+    rekey()
+    return self.name_of(obj)
+
+  def _copy_sources(  # PR: nnx_functional
+      self, obj
+  ) -> list[tuple[tp.Any, Path]]:
+    """The named modules whose table and static attributes ``obj`` has."""
+    table = _table(obj)
+    if table is None:
+      return []
+    self._ensure_roots()
+    self.merged.get(obj, self.structure)  # walks the pending merges
+    size = (len(self.nodes), len(self.merged.nodes))
+    if size != self._tables_size:
+      self._tables_size, self._tables = size, {}
+      named = [
+          *self.nodes.values(),
+          *(h[:2] for h in self.merged.nodes.values()),
+      ]
+      for node, path in named:
+        key = _table(node)
+        if key is not None:
+          self._tables.setdefault(id(key), []).append((node, path))
+    return [
+        (node, path)
+        for node, path in self._tables.get(id(table), ())
+        if node is not obj and _same_statics(node, obj, table)
+    ]
+
   def note_transform_copies(  # PR: nnx_transforms
       self, outer: dict, inner: dict
   ) -> None:
@@ -574,6 +648,37 @@ class Scope:
       original = outer.get(key)
       if original is not None and type(original) is type(copy):
         self.pair(original, copy)
+
+
+def _table(obj) -> tp.Any:  # PR: nnx_functional
+  """The table of data attributes of ``obj``, a Module JAX can flatten as
+  a pytree (``None`` for other objects)."""
+  if not getattr(type(obj), '_pytree__is_pytree', False):
+    return None
+  return getattr(obj, '__dict__', {}).get('_pytree__nodes')
+
+
+def _same_statics(a, b, table) -> bool:  # PR: nnx_functional
+  """Whether ``a`` and ``b`` have the same attributes and the same objects
+  as their static (non-data) ones, as a pytree copy has its original's."""
+  attrs_a, attrs_b = vars(a), vars(b)
+  if attrs_a.keys() != attrs_b.keys():
+    return False
+  return all(
+      table.get(key, False) or attrs_a[key] is value
+      for key, value in attrs_b.items()
+  )
+
+
+class CopyError(ValueError):  # PR: nnx_functional
+  """A module is a copy that a plain JAX transform made of a module, and
+  which one cannot be told (:meth:`Scope.follow_copy`)."""
+
+  def __init__(self, paths: list[Path], owned: bool):
+    super().__init__(paths, owned)
+    # The paths it may have; whether the modules there have tables of
+    # their own (else any module of the class looks the same).
+    self.paths, self.owned = paths, owned
 
 
 # The generation of the keys of unnamed scopes (Scope.fingerprint): a new
@@ -703,18 +808,25 @@ def _key_on_split(node) -> None:  # PR: nnx_transforms
     TRACE_KEY_CONFIG.swap_local((current[0], paths))
 
 
-def innermost_naming(obj, *groups: list[Scope]) -> tuple[Scope, Path] | None:
+def innermost_naming(
+    obj, *groups: list[Scope], follow_copies: bool = False
+) -> tuple[Scope, Path] | None:
   """The first scope of ``groups`` that names ``obj``, and the path.
 
-  The groups and their scopes are tried in order (:meth:`Scope.name_of`).
+  The groups and their scopes are tried in order (:meth:`Scope.name_of`;
+  with ``follow_copies``, then :meth:`Scope.follow_copy`).
 
   Raises:
     SharedPathError: (naming nothing; the caller adds the sow) when that
       path would be shared with another module.
+    CopyError: (with ``follow_copies``) when ``obj`` is a copy that a plain
+      JAX transform made of one of several modules.
   """
   for group in groups:
     for scope in group:
       named = scope.name_of(obj)
+      if named is None and follow_copies:  # PR: nnx_functional
+        named = scope.follow_copy(obj)
       if named is not None:
         path, why = named
         if why is not None:

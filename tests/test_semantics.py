@@ -1137,25 +1137,32 @@ class EagerLikeFTest(parameterized.TestCase):
     self.assertEqual(list(inner), ['pos'])
     self.assertEqual(dict(outer), {})
 
-  def test_set_mesh_and_get_mesh(self):
+  def test_set_mesh_around_the_capture_and_refused_inside(self):
     mesh = jax.make_mesh((1,), ('d',))
 
     def f(x):
-      with jax.set_mesh(mesh):
-        got = jax.sharding.get_mesh()
-        y = sow(x * 2.0, name='y')
-      return y, got
+      return sow(x * 2.0, name='y'), jax.sharding.get_abstract_mesh()
 
-    (y, got), collected = capture(f)(jnp.arange(3.0))
-    self.assertIs(got, mesh)
+    # Around the capture, the mesh is the one f sees.
+    with jax.set_mesh(mesh):
+      (y, seen), collected = capture(f)(jnp.arange(3.0))
+    self.assertEqual(seen, mesh.abstract_mesh)
     np.testing.assert_allclose(y, [0.0, 2.0, 4.0])
     np.testing.assert_allclose(collected['y'][0], [0.0, 2.0, 4.0])
-    # After the capture, the mesh is unset again, as JAX's context manager
-    # leaves it.
     self.assertTrue(jax.sharding.get_abstract_mesh().empty)
-    # Inside jax.jit, JAX refuses set_mesh as it does without the capture.
-    with self.assertRaisesRegex(ValueError, 'outside of `jax.jit`'):
-      jax.jit(capture(f))(jnp.arange(3.0))
+
+    # Inside f, JAX refuses set_mesh and get_mesh under the capture's trace
+    # as it does under jax.jit (an error, never a different mesh).
+    def sets_mesh(x):
+      with jax.set_mesh(mesh):
+        return sow(x * 2.0, name='y')
+
+    for g in (sets_mesh, lambda x: jax.sharding.get_mesh()):
+      with self.assertRaisesRegex(ValueError, 'outside of `jax.jit`'):
+        capture(g)(jnp.arange(3.0))
+      with self.assertRaisesRegex(ValueError, 'outside of `jax.jit`'):
+        jax.jit(capture(g))(jnp.arange(3.0))
+    self.assertTrue(jax.sharding.get_abstract_mesh().empty)
 
   def test_disable_jit_raises(self):
     def scan_sows(x):

@@ -92,17 +92,18 @@ class EagerTest(absltest.TestCase):
     np.testing.assert_allclose(jax.jit(lambda x: x * 3)(jnp.ones(2)), [3, 3])
     np.testing.assert_allclose(jax.grad(lambda x: x**2)(3.0), 6.0)
 
-  def test_no_trace_is_installed_and_sow_free_jits_keep_the_fast_path(self):
-    # Eagerly f runs on JAX's eval trace; a jitted function with no sow is
-    # dispatched by JAX's C++ path (no Python cache miss after the first).
-    calls = []
-    original = pjit_lib._run_python_pjit
+  def test_runs_on_a_trace_of_its_own_that_keeps_jit_caches(self):
+    # Eagerly f runs under a capture trace whose parent is JAX's eval trace.
+    # A jitted function with no sow is traced once across captures: the
+    # trace is reused, so JAX's tracing cache, keyed by the current trace,
+    # keeps its entry.
+    traced = []
 
-    def counting(*args, **kwargs):
-      calls.append(1)
-      return original(*args, **kwargs)
+    def times3(y):
+      traced.append(1)
+      return y * 3.0
 
-    plain = jax.jit(lambda y: y * 3.0)
+    plain = jax.jit(times3)
     seen = []
 
     def f(x):
@@ -112,13 +113,25 @@ class EagerTest(absltest.TestCase):
       return sow(x, name='x')
 
     x = jnp.ones(2)
-    capture(f)(x)  # compiles `plain`
-    with mock.patch.object(pjit_lib, '_run_python_pjit', counting):
+    for _ in range(3):
       out, collected = capture(f)(x)
+      np.testing.assert_allclose(out, [27.0, 27.0])
+      np.testing.assert_allclose(collected['x'][0], [27.0, 27.0])
+    self.assertEqual(seen, [False, False, False])
+    self.assertLen(traced, 1)
+    self.assertTrue(jax_core.trace_state_clean())
+    # Outside the capture, `plain` keeps JAX's C++ fast path.
+    calls = []
+    original = pjit_lib._run_python_pjit
+
+    def counting(*args, **kwargs):
+      calls.append(1)
+      return original(*args, **kwargs)
+
+    plain(x)
+    with mock.patch.object(pjit_lib, '_run_python_pjit', counting):
+      np.testing.assert_allclose(plain(x), [3.0, 3.0])
     self.assertEqual(calls, [])
-    self.assertEqual(seen, [True, True])
-    np.testing.assert_allclose(out, [27.0, 27.0])
-    np.testing.assert_allclose(collected['x'][0], [27.0, 27.0])
 
   def test_a_jit_with_a_sow_collects_at_every_call(self):
     # Its program holds a sow, so it never takes the fast path inside a

@@ -136,6 +136,7 @@ set_current_trace = core.set_current_trace  # PR: toplevel
 current_source_info = source_info_util.current  # PR: toplevel
 eval_jaxpr = core.eval_jaxpr  # PR: toplevel
 trace_ctx = core.trace_ctx
+get_opaque_trace_state = jex_core.get_opaque_trace_state  # PR: toplevel
 convert_constvars_jaxpr = pe.convert_constvars_jaxpr
 
 

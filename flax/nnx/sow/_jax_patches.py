@@ -195,22 +195,6 @@ def _guard_compiled_calls(check):
   cls.__call__ = _marked(__call__)
 
 
-def _wrap_attributes(*targets):
-  """Each ``owner.attribute`` of ``targets`` becomes
-  ``wrappers[attribute](original, *args, **kwargs)``: one entry, several
-  objects, ``apply(wrappers)`` taking the wrappers by attribute name."""
-  parts = [(attribute, _wrap_attribute(owner, attribute))
-           for owner, attribute in targets]
-
-  def apply(wrappers):
-    for attribute, target in parts:
-      target.apply(wrappers[attribute])
-
-  return _Target(
-      apply, lambda: tuple(x for _, t in parts for x in t.current())
-  )
-
-
 @dataclasses.dataclass(frozen=True)
 class Patch:
   """One replaced JAX object.
@@ -243,24 +227,6 @@ INVENTORY: tuple[Patch, ...] = (
         ' a capture instead.',
         'A way for a trace to refuse (or see) calls of compiled executables.',
         _Target(_guard_compiled_calls, _compiled_call_now),
-    ),
-    Patch(
-        'eager_calls',
-        'core.EvalTrace.process_primitive, core.EvalTrace.process_shard_map,'
-        ' pjit._pjit_call_impl_python',
-        'toplevel.py',
-        'An eager capture installs no trace (so what has no sow keeps'
-        " JAX's C++ dispatch); where the eval trace runs a compiled call or"
-        ' a control-flow primitive whose program holds sows a capture'
-        ' accepts, or a shard_map, the capture rewrites it first.',
-        'A per-thread hook the eval trace calls before it evaluates a'
-        ' higher-order primitive (with its jaxprs), and before a jit call'
-        ' dispatches its compiled program.',
-        _wrap_attributes(
-            (_jax.core.EvalTrace, 'process_primitive'),
-            (_jax.core.EvalTrace, 'process_shard_map'),
-            (_jax.pjit_lib, '_pjit_call_impl_python'),
-        ),
     ),
     Patch(  # PR: custom
         'custom_jvp_bind',

@@ -26,7 +26,6 @@ rewrite resolves), and a batching rule that moves the mapped axis first. Collect
 
 from __future__ import annotations
 
-import contextlib  # PR: eager
 import dataclasses
 import os
 import threading  # PR: eager
@@ -296,46 +295,8 @@ def bind_sow(
   )
 
 
-class _EagerCaptures(threading.local):  # PR: eager
-  """The eager captures running on this thread, outermost first."""
-
-  stack: tuple[tp.Any, ...] = ()
-
-
-_EAGER = _EagerCaptures()  # PR: eager
-
-
-def eager_captures() -> tuple[tp.Any, ...]:  # PR: eager
-  """The captures called outside any transform that are running now on
-  this thread, outermost first (see ``eager_capture``)."""
-  return _EAGER.stack
-
-
-@contextlib.contextmanager
-def eager_capture(capture: tp.Any):  # PR: eager
-  """Makes ``capture`` the innermost eager capture while the block runs.
-
-  An eager capture installs no trace: ``f`` runs on JAX's eval trace, so
-  everything without a sow takes JAX's own (C++) dispatch. A sow evaluated
-  then offers itself to the captures, innermost first:
-  ``capture.eager_sow(params, operands)`` returns the sow's outputs if it
-  collected the sow, else ``None``. (``toplevel.py`` steps in where a
-  compiled call or a control-flow primitive holds sows.)
-  """
-  outer = _EAGER.stack
-  _EAGER.stack = (*outer, capture)
-  try:
-    yield
-  finally:
-    _EAGER.stack = outer
-
-
 @sow_p.def_impl
 def _sow_impl(*leaves, n_closure, **params):
-  for capture in reversed(_EAGER.stack):  # PR: eager
-    outs = capture.eager_sow(dict(params, n_closure=n_closure), leaves)
-    if outs is not None:
-      return outs
   return leaves[: len(leaves) - n_closure]
 
 
@@ -535,8 +496,6 @@ _jax.partial_eval_jaxpr_custom_rules[sow_p] = _sow_partial_eval_custom
 
 
 def is_eager() -> bool:
-  """Whether no transform is tracing and no eager capture is running on
-  this thread (a sow is then returned as it is)."""
-  if _EAGER.stack:  # PR: eager
-    return False
+  """Whether no transform (and no capture) is tracing on this thread (a
+  sow is then returned as it is)."""
   return isinstance(_jax.trace_ctx.trace, _jax.core.EvalTrace)

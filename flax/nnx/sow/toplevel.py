@@ -43,7 +43,7 @@ everything below it is the jaxpr rewrite.
 
 from __future__ import annotations
 
-import threading  # PR: eager
+import threading
 import typing as tp
 
 from flax.nnx.sow import _jax
@@ -51,8 +51,6 @@ from flax.nnx.sow import _jax_patches  # PR: eager
 from flax.nnx.sow import capturing
 from flax.nnx.sow import collect as capture_lib
 from flax.nnx.sow import sites
-from flax.nnx.sow.primitive import eager_capture  # PR: eager
-from flax.nnx.sow.primitive import eager_captures  # PR: eager
 from flax.nnx.sow.primitive import sow_p
 from flax.nnx.sow.primitive import staging
 
@@ -108,13 +106,15 @@ class CaptureTrace(_jax.Trace):
     self.collector = collector
     # Lowering of Hijax types happens where the parent wants it.
     self.requires_low = parent.requires_low
+    self.eager = _jax.is_eval_trace(parent) or (
+        isinstance(parent, CaptureTrace) and parent.eager
+    )
     # What JAX shows as the current trace's identity (``jax.core.
     # get_opaque_trace_state``) is the parent's: objects that record the
     # trace they were made in, such as NNX Variables, may be updated by
     # ``f`` exactly when they could be without the capture. (JAX's own
     # "top level" test compares the trace object, so its eager fast paths
     # still see a transform here.)
-    self._weakref = parent._weakref  # pylint: disable=protected-access
 
   def process_primitive(self, primitive, args, params, /):
     if primitive is sow_p:
@@ -145,6 +145,9 @@ class CaptureTrace(_jax.Trace):
   def process_custom_jvp_call(
       self, primitive, fun, jvp, args, /, *, symbolic_zeros
   ):
+    if self.eager:  # what JAX's eval trace does: run the body
+      with _jax.set_current_trace(self):
+        return fun.call_wrapped(*args)
     outs = self._collect_alone(
         lambda *xs: primitive.bind(
             *xs, subfuns=(fun, jvp), symbolic_zeros=symbolic_zeros
@@ -158,6 +161,9 @@ class CaptureTrace(_jax.Trace):
   def process_custom_vjp_call(
       self, primitive, fun, fwd, bwd, args, /, *, out_trees, symbolic_zeros
   ):
+    if self.eager:
+      with _jax.set_current_trace(self):
+        return fun.call_wrapped(*args)
     outs = self._collect_alone(
         lambda *xs: primitive.bind(
             *xs,
@@ -234,116 +240,15 @@ def _results(outs, primitive, multiple_results):
 
 # -- eager captures ----------------------------------------------------------
 #
-# Called outside any transform, a capture installs no trace: ``f`` runs on
-# JAX's eval trace, so every operation without a sow takes JAX's own C++
-# dispatch (a Python trace would cost each of them the slow path). A sow
-# evaluated there offers itself to the eager captures running on the thread
-# (``primitive.eager_capture``); where the eval trace would run a compiled
-# program that holds accepted sows (a ``jax.jit`` call, a ``scan``/``cond``/
-# ``while`` that JAX compiles alone, a ``checkpoint``), the ``eager_calls``
-# entries stage that one call and evaluate it with the capture loop first.
-
-
-class _EagerCapture:  # PR: eager
-  """One eager capture on the stack of ``primitive.eager_capture``."""
-
-  __slots__ = ('collector',)
-
-  def __init__(self, collector: capture_lib.Collector):
-    self.collector = collector
-
-  def eager_sow(self, params, leaves) -> list[tp.Any] | None:
-    c = self.collector
-    if not c.takes(params):
-      return None
-    return c.sow(params, list(leaves), _Where(_jax.current_source_info()))
-
-
-def _working_collector(  # PR: eager
-    jaxprs,
-) -> capture_lib.Collector | None:
-  """The innermost eager capture that accepts a sow in ``jaxprs``."""
-  for capture in reversed(eager_captures()):
-    if capture.collector.has_work(jaxprs):
-      return capture.collector
-  return None
-
-
-def _eager_process_primitive(  # PR: eager
-    original, trace, primitive, args, params, /
-):
-  if eager_captures() and primitive is not sow_p:
-    jaxprs = (
-        [params['jaxpr']] if primitive is _jax.jit_p else _jaxprs(params)
-    )
-    if jaxprs and (c := _working_collector(jaxprs)) is not None:
-      closed = _stage_alone(
-          lambda *xs: primitive.bind(*xs, **params), args, primitive, None
-      )
-      return _results(_evaluate(closed, args, c), primitive, None)
-  return original(trace, primitive, args, params)
-
-
-def _eager_jit_call(original, *args, **params):  # PR: eager
-  # ``jax.jit(g)(x)`` called with the eval trace current compiles and runs
-  # ``g``'s program without binding ``jit_p``. No compiled program comes
-  # back to JAX, so the call keeps no fast path to skip this next time.
-  if eager_captures() and (
-      c := _working_collector([params['jaxpr']])
-  ) is not None:
-    closed = _stage_alone(
-        lambda *xs: _jax.jit_p.bind(*xs, **params), args, _jax.jit_p, None
-    )
-    return _evaluate(closed, args, c), None, None, []
-  return original(*args, **params)
-
-
-class _ShardMaps(threading.local):  # PR: eager
-  evaluating: int = 0
-
-
-_SHARD_MAPS = _ShardMaps()  # PR: eager
-
-
-def _eager_shard_map(  # PR: eager
-    original, trace, primitive, fun, args, **params
-):
-  # A shard_map carries a Python function: staged alone first, to see
-  # whether it sows; one that does not is then evaluated as it was staged.
-  if not eager_captures() or _SHARD_MAPS.evaluating:
-    return original(trace, primitive, fun, args, **params)
-  tree = []
-
-  def bind(*xs):
-    out = primitive.bind(*xs, subfuns=(fun,), **params)
-    tree.append(out)
-    return list(out)
-
-  closed = _stage_alone(bind, args, primitive, True)
-  c = _working_collector([closed.jaxpr])
-  if c is not None:
-    outs = _evaluate(closed, args, c)
-  else:
-    _SHARD_MAPS.evaluating += 1
-    try:
-      outs = _evaluate(closed, args, None)
-    finally:
-      _SHARD_MAPS.evaluating -= 1
-  return tree[0].update(outs)
-
-
-_jax_patches.register(  # PR: eager
-    'eager_calls',
-    {
-        'process_primitive': _eager_process_primitive,
-        'process_shard_map': _eager_shard_map,
-        '_pjit_call_impl_python': _eager_jit_call,
-    },
-)
+# Called outside any transform, a capture runs ``f`` under a CaptureTrace on
+# JAX's eval trace: every value ``f`` sees is concrete (value-dependent Python
+# works, also in custom_jvp/custom_vjp functions, which run as JAX runs them
+# eagerly), and nothing of JAX's eager path is replaced. Each operation pays
+# one Python call more than without the capture.
 
 
 def _refuse_compiled_calls() -> None:  # PR: eager
-  if eager_captures() or isinstance(_jax.trace_ctx.trace, CaptureTrace):
+  if isinstance(_jax.trace_ctx.trace, CaptureTrace):
     raise TypeError(
         'capture: f calls an ahead-of-time compiled function'
         ' (jax.jit(g).lower(...).compile()). It runs as a compiled'
@@ -409,18 +314,57 @@ def trace_and_collect(
   return out, collector.result()
 
 
+class _EagerTraces(threading.local):
+  """One CaptureTrace per eager parent on this thread, reused by every eager
+  capture on it: JAX keys its tracing caches by the current trace, so a
+  trace made anew for each call would re-trace every ``jax.jit`` (and every
+  jitted ``jax.numpy`` function) ``f`` calls, on every call."""
+
+  by_parent: dict
+
+
+_EAGER_TRACES = _EagerTraces()
+
+
 def _call_on(parent, collector, f, args, kwargs):
-  """``f(*args, **kwargs)`` with its sows collected: under a
-  :class:`CaptureTrace` on ``parent``, or eagerly with no trace of its own."""
-  if _jax.is_eval_trace(parent):  # PR: eager
-    with eager_capture(_EagerCapture(collector)):
-      return f(*args, **kwargs)
+  """``f(*args, **kwargs)`` with its sows collected, under a
+  :class:`CaptureTrace` on ``parent``."""
+  if _jax.is_eval_trace(parent) or getattr(parent, 'eager', False):
+    cache = _EAGER_TRACES.__dict__.setdefault('by_parent', {})
+    trace = cache.get(id(parent))
+    if trace is None or trace.parent is not parent:
+      trace = cache[id(parent)] = CaptureTrace(parent, collector)
+    outer = trace.collector
+    trace.collector = collector
+    try:
+      with _jax.set_current_trace(trace):
+        return f(*args, **kwargs)
+    finally:
+      trace.collector = outer
   trace = CaptureTrace(parent, collector)
   try:
     with _jax.set_current_trace(trace):
       return f(*args, **kwargs)
   finally:
     trace.invalidate()
+
+
+def opaque_trace_state() -> tp.Any:
+  """JAX's opaque trace state (``jax.extend.core.get_opaque_trace_state``)
+  of the trace that the values ``f`` sees belong to.
+
+  A :class:`CaptureTrace` owns no values: what ``f`` sees is its parent's.
+  This is the state of the innermost trace that is not a capture's, so an
+  object that records the trace it was made in (an NNX Variable) may be
+  updated inside a capture exactly when it could be without it.
+  """
+  trace = _jax.trace_ctx.trace
+  if not isinstance(trace, CaptureTrace):
+    return _jax.get_opaque_trace_state(convention='nnx')
+  while isinstance(trace, CaptureTrace):
+    trace = trace.parent
+  with _jax.set_current_trace(trace):
+    return _jax.get_opaque_trace_state(convention='nnx')
 
 
 capturing.runners.append(trace_and_collect)

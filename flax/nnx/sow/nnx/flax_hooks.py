@@ -42,6 +42,7 @@ from flax import nnx
 from flax.nnx import extract as _extract  # PR: nnx_transforms
 from flax.nnx import graphlib as _graphlib  # PR: nnx_transforms
 from flax.nnx import module as _module_lib
+from flax.nnx import tracers as _tracers
 from flax.nnx.nn import attention as _attention_lib  # PR: nnx_functional
 from flax.nnx.transforms import iteration as _iteration  # PR: nnx_transforms
 
@@ -124,6 +125,22 @@ INVENTORY: tuple[Hook, ...] = (
         ' every module during the call; the shim builds the same State from'
         ' what `capture` returns.',
         _CORE_API,
+    ),
+    Hook(
+        'trace_state',
+        ((_tracers, 'current_jax_trace'),),
+        'flax.nnx.tracers.current_jax_trace (the trace a Variable or'
+        ' Module records, and may be updated under)',
+        'shims.py',
+        'A capture runs `f` under a trace of its own that forwards every'
+        ' value to the trace it was called in; a Variable made outside the'
+        ' capture must stay updatable inside it, as without the capture'
+        " (BatchNorm statistics, RNG counts), so NNX sees the capture's"
+        ' parent trace.',
+        'NNX asking JAX for the trace state with traces that only forward'
+        ' (and so do not own the values) looked through: a'
+        ' `jax.extend.core.get_opaque_trace_state` that skips traces marked'
+        ' as forwarding, or a Flax-side registry of such trace types.',
     ),
     Hook(  # PR: nnx_transforms
         'graph_flatten',

@@ -61,6 +61,7 @@ from flax.nnx import variablelib as _variablelib
 from flax.nnx.sow.nnx import flax_hooks
 from flax.nnx.sow.nnx import hooks  # PR: nnx_functional
 from flax.nnx.sow.nnx import state as state_lib
+from flax.nnx.sow import toplevel
 from flax.nnx.sow.capturing import stage_and_collect
 from flax.nnx.sow.nnx.calls import functional_graph_call
 from flax.nnx.sow.nnx import scope as scope_lib
@@ -860,6 +861,7 @@ def _methods_sowing_outputs(module, method_outputs: type | None):
 flax_hooks.register('module_sow', module_sow)
 flax_hooks.register('module_perturb', module_perturb)
 flax_hooks.register('capture', capture)
+flax_hooks.register('trace_state', toplevel.opaque_trace_state)
 
 
 def installed() -> bool:

@@ -33,9 +33,12 @@ root is at ``()`` (so ``nnx.capture(model, ...)`` gives Flax's paths); with
 several, an argument's root is prefixed by its position (``(0, ...)``, ``(1,
 ...)``, a keyword by its name, then its place inside the argument's pytree, as
 ``nnx.jit``'s state is keyed), and a referenced one by the variable that holds
-it (``('encoder', ...)``). Two roots never share a path: where two would
-(a keyword and a closure variable of one name), ``Module.sow`` under them
-raises. The copies that NNX code makes during the call are named from
+it (``('encoder', ...)``). ``nnx.capture`` of a function names the roots
+inside its first argument (a Module, or a dict, list or tuple of them) by
+their place there when that argument holds every root, as Flax does
+(``('enc', ...)`` for ``{'enc': m}``). Two roots never share a path: where
+two would (a keyword and a closure variable of one name), ``Module.sow``
+under them raises. The copies that NNX code makes during the call are named from
 Flax's own split/merge, the same on every run:
 
 1. **split/merge**: while a scope is active, Flax's ``graphlib.flatten``
@@ -210,7 +213,8 @@ def _parameter_names(f) -> list[str]:  # PR: nnx_functional
   return [p.name for p in params if p.kind in kinds]
 
 
-def _holds_module(node) -> bool:
+def holds_module(node) -> bool:
+  """Whether ``node`` (a graph node or a pytree of them) holds a Module."""
   return any(isinstance(obj, nnx.Module) for _, obj in _graph_nodes(node))
 
 
@@ -237,23 +241,43 @@ def _nodes_in(tree, prefix: Path) -> list[tuple[tp.Any, Path]]:
   ]
 
 
-def _choose_roots(args: tuple, kwargs: dict, f, referenced) -> list:
-  """The roots and their paths, as the module docstring says.
-
-  The candidates are the graph nodes among ``args``/``kwargs`` (by position
-  or keyword) and ``referenced`` (:func:`referenced_graph_nodes` of ``f``);
-  a root holds a Module and is not inside a root kept before it.
-
-  Returns:
-    ``[(root, path), ...]``; one root is at ``()``.
-  """
+def _candidates(args: tuple, kwargs: dict, referenced) -> list:
+  """``(node, path, is_arg)`` for the graph nodes among the arguments (by
+  position, then keyword) and for ``referenced``, in that order."""
   from_args = [
       *(n for i, a in enumerate(args) for n in _nodes_in(a, (i,))),
       *(n for k in sorted(kwargs) for n in _nodes_in(kwargs[k], (k,))),
   ]
   candidates = [(n, p, True) for n, p in from_args]
   candidates += [(n, p, False) for n, p in referenced]
-  kept = _outermost_modules(candidates)
+  return candidates
+
+
+def _choose_roots(
+    args: tuple, kwargs: dict, f, referenced, inside_first: bool = False
+) -> list:
+  """The roots and their paths, as the module docstring says.
+
+  The candidates are the graph nodes among ``args``/``kwargs`` (by position
+  or keyword) and ``referenced`` (:func:`referenced_graph_nodes` of ``f``);
+  a root holds a Module and is not inside a root kept before it.
+
+  Args:
+    args: the positional arguments.
+    kwargs: the keyword arguments.
+    f: the function they are for.
+    referenced: :func:`referenced_graph_nodes` of ``f``.
+    inside_first: whether the first positional argument is what Flax's
+      ``nnx.capture`` walks (a Module, or a dict, list or tuple of them):
+      when it holds every root, each is named by its place inside it
+      (``('enc',)`` for ``{'enc': m}``), as Flax names it.
+
+  Returns:
+    ``[(root, path), ...]``; one root is at ``()``.
+  """
+  kept = _outermost_modules(_candidates(args, kwargs, referenced))
+  if inside_first and kept and all(a and p[0] == 0 for _, p, a in kept):
+    return [(node, path[1:]) for node, path, _ in kept]
   if len(kept) == 1:
     return [(kept[0][0], ())]
   if len({is_arg for _, _, is_arg in kept}) > 1:  # PR: nnx_functional
@@ -283,7 +307,7 @@ def _outermost_modules(candidates):
       continue
     if kept and inside is None:
       inside = {id(o) for k, _, _ in kept for _, o in _graph_nodes(k)}
-    if (inside is not None and id(node) in inside) or not _holds_module(node):
+    if (inside is not None and id(node) in inside) or not holds_module(node):
       continue
     kept.append((node, path, is_arg))
     if inside is not None:
@@ -314,7 +338,7 @@ class _Merged:  # PR: nnx_transforms
     """
     while self.pending:
       graphdef, node = self.pending.pop(0)
-      if not _holds_module(node):
+      if not holds_module(node):
         continue  # a State or Variables copied (nnx.clone, nnx.split)
       why = None
       if structure:
@@ -351,6 +375,10 @@ class Scope:
     self.method_outputs = method_outputs
     self.init_keys = init_keys  # ((full name, Variable type), ...)
     self.init: dict[Path, tuple[type, tp.Any]] = {}
+    # nnx.capture of a function: its first argument is what Flax walks (a
+    # Module, or a dict, list or tuple of them), whose roots are named by
+    # their place inside it (_choose_roots).
+    self.inside_first = False
     # id -> (object, path) for the roots' nodes and the copies linked to
     # them. The objects are held, so ids stay unique.
     self.nodes: dict[int, tuple[tp.Any, Path]] = {}
@@ -451,7 +479,10 @@ class Scope:
     :func:`referenced_graph_nodes` of it.
     """
     owners: dict[Path, tp.Any] = {}
-    for root, prefix in _choose_roots(args, kwargs, f, referenced):
+    roots = _choose_roots(
+        args, kwargs, f, referenced, inside_first=self.inside_first
+    )
+    for root, prefix in roots:
       other = owners.setdefault(prefix, root)
       if other is not root:
         self.shared[prefix] = (

@@ -149,10 +149,34 @@ def _reduced_sow(scope, frames, value, full, tag, reduce_fn, init_fn, fixed):
   sow_site(value, full, tag, reduce_fn, init_fn, fixed_type=fixed)
 
 
+class _OneCall:
+  """The perturbation state of a module (:func:`_state_sow`), with the rank
+  of each leaf in one call of the module (static: the pytree's aux data).
+
+  The state comes back with the axes of the transforms that slice the
+  module (``nnx.scan`` over layers) in front of those ranks; a cotangent
+  of the perturbed value has, after those, the axes of the loops and
+  ``vmap``s inside a slice (or inside the call, if nothing slices the
+  module), which :func:`_as_state` sums.
+  """
+
+  def __init__(self, value, ranks: tuple[int, ...]):
+    self.value, self.ranks = value, ranks
+
+
+jax.tree_util.register_pytree_node(
+    _OneCall,
+    lambda x: ((x.value,), x.ranks),
+    lambda ranks, children: _OneCall(children[0], ranks),
+)
+
+
 def _state_sow(scope, frames, value, full, tag) -> None:
   """Sows ``value`` as the perturbation state Flax keeps for ``full``: one
   value (the last one sown), per slice where a transform slices the module.
   """
+  ranks = tuple(np.ndim(x) for x in jax.tree.leaves(value))
+  value = _OneCall(value, ranks)
   structs = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), value
   )
@@ -603,6 +627,33 @@ def _sum_entries(entries: tuple):
     return entries
 
 
+def _as_state(cotangent, state: _OneCall | None):
+  """A cotangent of a perturbed value, summed to the shape of the module's
+  perturbation ``state`` (the zeros of step 1).
+
+  The perturbation is module state, as in Flax: one per module, one per
+  slice where an ``nnx.scan``/``nnx.vmap`` slices it. A loop or ``vmap``
+  inside the module's slice (a ``lax.scan``, an ``nnx.vmap`` or ``nnx.scan``
+  that broadcasts the module) stacks the cotangent along one more axis,
+  after the slices' axes; the gradient of the one perturbation added at
+  every iteration or example (what ``init=`` does) is their sum.
+  """
+  if state is None:
+    return cotangent
+  leaves, treedef = jax.tree.flatten(cotangent)
+  targets, target_def = jax.tree.flatten(state.value)
+  if treedef != target_def or len(state.ranks) != len(leaves):
+    return cotangent
+  out = []
+  for leaf, target, rank in zip(leaves, targets, state.ranks):
+    sliced = np.ndim(target) - rank  # the slices' axes, in front
+    extra = np.ndim(leaf) - np.ndim(target)
+    if sliced >= 0 and extra > 0:
+      leaf = jnp.sum(leaf, axis=tuple(range(sliced, sliced + extra)))
+    out.append(leaf)
+  return jax.tree.unflatten(treedef, out)
+
+
 def _stacked(name: Path, entries: tuple, variable_type):  # PR: nnx_transforms
   """The one entry of the accumulators of a sliced module, stacked."""
   if len(entries) == 1:
@@ -617,25 +668,69 @@ def _stacked(name: Path, entries: tuple, variable_type):  # PR: nnx_transforms
   )
 
 
-def _build_state(collected, variable_type, held: dict):
+def _check_no_nesting(flat: dict, variable_type, perturbed, module) -> None:
+  """Raises where a sown name is also the path of a submodule that sows.
+
+  ``self.sow(T, 'block', v)`` next to ``self.block = Sub()``, whose own sows
+  are named ``('block', ...)``: one State entry cannot be both a Variable and
+  the submodule's State. ``perturbed``: the names ``Module.perturb`` gave.
+
+  Raises:
+    ValueError: naming the sow, the submodule and what to rename.
+  """
+  for name in flat:
+    for k in range(1, len(name)):
+      if name[:k] not in flat:
+        continue
+      owner, attribute = name[: k - 1], name[k - 1]
+      vt = variable_type.__name__
+      what, renamed = 'sow', f"self.sow({vt}, '{attribute}_out', ...)"
+      if name[:k] in perturbed:
+        what, renamed = 'perturb', f"self.perturb('{attribute}_out', ...)"
+      classes = {}
+      if module is not None:
+        classes = {p: type(m).__name__ for p, m in nnx.iter_modules(module)}
+      where = f' in {classes[owner]}' if owner in classes else ''
+      sub = classes.get(name[:k], 'submodule')
+      raise ValueError(
+          f'Module.{what}({vt}, {attribute!r}){where} (named {name[:k]!r}):'
+          f' {attribute!r} is also the attribute of the {sub} at'
+          f' {name[:k]!r}, whose sows are named under it ({name!r}), and one'
+          ' State entry cannot be both. Flax 0.12.8 keeps only the value'
+          f" sown under {attribute!r} and silently drops the {sub}'s values."
+          f' Rename the sow (e.g. {renamed}) or the attribute'
+          f' {attribute!r}.'
+      )
+
+
+def _build_state(collected, variable_type, held: dict, module=None):
   """The State of one Variable type, from its own capture's ``collected``.
 
   A plain ``Module.sow`` gives its tuple, a reduced one its accumulator, a
-  ``Module.perturb`` the sum of its cotangents (``collected.cotangents``), or,
-  when nothing differentiated it, the zeros (or ``init=`` value) sown under
-  :func:`_zeros_name`. ``held`` (:func:`_held`) adds the entries the capture
-  did not return.
+  ``Module.perturb`` the sum of its cotangents (``collected.cotangents``),
+  each summed to the shape of the module's perturbation (:func:`_as_state`),
+  or, when nothing differentiated it, the zeros (or ``init=`` value) sown
+  under :func:`_zeros_name`. ``held`` (:func:`_held`) adds the entries the
+  capture did not return. Raises where a sown name is also the path of a
+  submodule that sows (:func:`_check_no_nesting`).
   """
-  flat: dict[Path, tp.Any] = {}
+  entries = []
+  states: dict[Path, _OneCall] = {}
   for name, value in collected.items():
     if isinstance(name, tuple) and name[0] == _SLICED:  # PR: nnx_transforms
       name, value = name[1:], _stacked(name[1:], value, variable_type)
     if isinstance(name, tuple) and name[0] == _ZEROS:
+      states[name[1:]] = value
+    entries.append((name, value))
+  flat: dict[Path, tp.Any] = {}
+  for name, value in entries:
+    if isinstance(name, tuple) and name[0] == _ZEROS:
       full = name[1:]
       if full not in collected:
-        flat[full] = value
+        flat[full] = value.value
     elif name in collected.cotangents:
-      flat[name] = _sum_entries(value)
+      state = states.get(name)
+      flat[name] = _sum_entries(tuple(_as_state(v, state) for v in value))
     else:
       flat[name] = value
   for name, value in held.items():
@@ -645,6 +740,8 @@ def _build_state(collected, variable_type, held: dict):
       flat[name] = value.value
     else:  # a plain name: its entries held in Python come first
       flat[name] = (*value.value, *flat[name])
+  perturbed = {*states, *collected.cotangents}
+  _check_no_nesting(flat, variable_type, perturbed, module)
   return state_lib.collected_to_state(flat, variable_type)
 
 
@@ -690,7 +787,9 @@ def capture(
   """``nnx.capture`` on the functional ``capture``; same API as Flax 0.12.8.
 
   ``fn`` is a Module (its ``__call__`` is run), a bound method of a Module,
-  or a function whose first argument is the Module; the decorator form
+  or a function whose first argument is the Module (or, as in Flax, a dict,
+  list or tuple of Modules, nested too, whose States are keyed by the place
+  of each module there: ``{'enc': {'y': ...}}``); the decorator form
   ``nnx.capture(nnx.Intermediate)(fn)`` is accepted. The call is staged with
   ``capture`` over :func:`functional_graph_call`, so the Module's state
   updates reach the caller's objects as with ``nnx.jit``, and works inside
@@ -743,10 +842,13 @@ def capture(
     root_args = (args, kwargs)
     module = module_instance
     if module is None:
-      if not args or not _graphlib.is_graph_node(args[0]):
+      if not args or not (
+          _graphlib.is_graph_node(args[0]) or scope_lib.holds_module(args[0])
+      ):
         raise TypeError(
             'nnx.capture: when fn is a function, its first argument must be'
-            ' the Module whose intermediates are captured, got'
+            ' the Module whose intermediates are captured (or a dict, list'
+            ' or tuple of Modules), got'
             f' {type(args[0]).__name__ if args else "no arguments"}.'
         )
       module, args = args[0], args[1:]
@@ -756,6 +858,9 @@ def capture(
         method_outputs if method_outputs in types else None,
         init_keys,
     )
+    # As in Flax, the modules inside the first argument (a dict, list or
+    # tuple of them too) are named by their place there.
+    scope.inside_first = module_instance is None
 
     def staged(m, values, *a, **k):
       scope.init = {key: (vt, v) for (key, vt), v in zip(init_keys, values)}
@@ -779,7 +884,7 @@ def capture(
     # type is returned only when it is requested itself). A type requested
     # again gets an empty State, as Flax's split_state gives it.
     states = [
-        _build_state(c, vt, _held(scope, vt, init_entries, module))
+        _build_state(c, vt, _held(scope, vt, init_entries, module), module)
         for c, vt in zip(collected, types)
     ]
     by_type = dict(zip(types, states))

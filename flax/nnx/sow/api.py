@@ -94,7 +94,8 @@ def array_leaves(value: tp.Any, name: Name, what: str = 'sow'):
   """Flattens ``value``; every leaf must be an array or a scalar.
 
   Returns:
-    ``(leaves, treedef)`` with scalar leaves converted like ``jnp.asarray``.
+    ``(leaves, treedef)``, the leaves as they are (:func:`operands` converts
+    them for ``sow_p``).
 
   Raises:
     TypeError: naming the sow and the offending leaf's path and type.
@@ -102,11 +103,9 @@ def array_leaves(value: tp.Any, name: Name, what: str = 'sow'):
   path_leaves, treedef = jax.tree_util.tree_flatten_with_path(value)
   leaves = []
   for path, leaf in path_leaves:
-    if isinstance(leaf, (jax.Array, np.ndarray, jax.core.Tracer)):
-      leaves.append(leaf)
-    elif isinstance(leaf, _SCALAR_TYPES):
-      leaves.append(jnp.asarray(leaf))
-    else:
+    if not isinstance(
+        leaf, (jax.Array, np.ndarray, jax.core.Tracer, *_SCALAR_TYPES)
+    ):
       where = jax.tree_util.keystr(path) or '<value>'
       raise TypeError(
           f'{what} {name!r}: the value at {where} has type'
@@ -114,7 +113,63 @@ def array_leaves(value: tp.Any, name: Name, what: str = 'sow'):
           ' arrays or numeric scalars. Convert it with jnp.asarray or leave'
           ' it out of the sown value.'
       )
+    leaves.append(leaf)
   return leaves, treedef
+
+
+def operands(leaves: list[tp.Any], name: Name, what: str = 'sow') -> list:
+  """``leaves`` as ``sow_p``'s operands: scalars converted like
+  ``jnp.asarray`` (NumPy arrays are kept: an eager capture hands them back
+  to ``f`` as they are, and converts what it collects).
+
+  Raises:
+    OverflowError: naming the sow, for an integer leaf (Python or NumPy,
+      scalar or array) that the dtype JAX gives it cannot hold (``int32``
+      while ``jax_enable_x64`` is off), which ``jnp.asarray`` would wrap
+      silently for a NumPy value.
+  """
+  out = []
+  for leaf in leaves:
+    if isinstance(leaf, (np.ndarray, np.generic)):
+      _check_fits(leaf, name, what)
+    if isinstance(leaf, _SCALAR_TYPES):
+      try:
+        leaf = jnp.asarray(leaf)
+      except OverflowError as e:
+        raise OverflowError(_overflow_message(name, what, str(e))) from None
+    out.append(leaf)
+  return out
+
+
+def _check_fits(leaf: np.ndarray | np.generic, name: Name, what: str):
+  """Raises unless JAX's dtype for the NumPy integer ``leaf`` holds it."""
+  dtype = leaf.dtype
+  if dtype.kind not in 'iu' or leaf.size == 0:
+    return
+  target = jax.dtypes.canonicalize_dtype(dtype)
+  if target == dtype:
+    return
+  info = np.iinfo(target)
+  low, high = np.min(leaf), np.max(leaf)
+  if low < info.min or high > info.max:
+    bad = low if low < info.min else high
+    raise OverflowError(
+        _overflow_message(
+            name,
+            what,
+            f'the NumPy {dtype} value {bad} does not fit in {target}, the'
+            f' dtype JAX gives {dtype} (jnp.asarray would wrap it to'
+            f' {bad.astype(target)})',
+        )
+    )
+
+
+def _overflow_message(name: Name, what: str, why: str) -> str:
+  return (
+      f'{what} {name!r}: {why}. Sow a value that fits, convert it yourself'
+      ' (e.g. to float32), or enable 64-bit types'
+      " (jax.config.update('jax_enable_x64', True))."
+  )
 
 
 def same_objects(  # PR: toplevel
@@ -196,6 +251,9 @@ def sow(
       ``reduce_fn``/``init_fn`` is given, if either is not callable, or if
       ``grad=True`` comes with a reduction (a cotangent is collected per
       sow, not reduced).
+    OverflowError: inside a capture or ``intervene``, if an integer leaf
+      does not fit the dtype that ``jnp.asarray`` gives it (``np.int64(2**40)``
+      or ``2**40`` while ``jax_enable_x64`` is off): it is not wrapped.
   """
   if grad and reduce_fn is not None:  # PR: perturb
     raise TypeError(
@@ -243,6 +301,7 @@ def sow_site(value, name, tag, reduce_fn, init_fn, *, fixed_type: bool):
   leaves, treedef = array_leaves(value, name)
   if is_eager():
     return value
+  leaves = operands(leaves, name)
   reduction, closure = None, ()
   if reduced:
     reduction, closure = reduction_hook(name).reduction(
@@ -294,12 +353,15 @@ def perturb(  # PR: perturb
 
   Raises:
     TypeError: for a bad name, tag or leaf, as :func:`~flax.nnx.sow.sow`.
+    OverflowError: for an integer leaf too large for its JAX dtype, as
+      :func:`~flax.nnx.sow.sow`.
   """
   name = check_name(name, 'perturb')
   check_tag(tag, name, 'perturb')
   leaves, treedef = array_leaves(value, name, 'perturb')
   if is_eager():
     return value
+  leaves = operands(leaves, name, 'perturb')
   out = bind_sow(
       leaves,
       name=name,

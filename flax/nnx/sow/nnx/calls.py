@@ -234,6 +234,11 @@ def _uncross_out(out, nodes):  # PR: nnx_functional
   )
 
 
+# What ``_variables_call``'s staged function returns for a Variable ``f``
+# left alone (a static output, which comes back as this very object).
+_UNCHANGED = object()  # PR: nnx_functional
+
+
 def _variables_call(  # PR: nnx_functional
     stage, f, leaves, treedef, positions, variables
 ):
@@ -250,32 +255,64 @@ def _variables_call(  # PR: nnx_functional
   rest = list(leaves)
   for i in positions:
     rest[i] = _Slot(slot[id(leaves[i])])
-  before = [v.get_raw_value() for v in unique]
 
   def pure_f(rest, fresh):
+    before = [v.get_raw_value() for v in fresh]
     full = [fresh[x.index] if isinstance(x, _Slot) else x for x in rest]
     inner_args, inner_kwargs = jax.tree.unflatten(treedef, full)
     with trace_key():
       out = f(*inner_args, **inner_kwargs)
-    return _cross_out(out, fresh), [v.get_raw_value() for v in fresh]
+    after = [v.get_raw_value() for v in fresh]
+    # Told apart here, where an unchanged value is the staged input itself.
+    return _cross_out(out, fresh), [
+        _UNCHANGED if new is old else new for old, new in zip(before, after)
+    ]
 
   (out, after), extra = stage(pure_f, (rest, unique), {})
-  for v, old, new in zip(unique, before, after):
-    if new is not old:
+  for v, new in zip(unique, after):
+    if new is not _UNCHANGED:
       v.set_raw_value(new)
   return _uncross_out(out, unique), extra
+
+
+def _leaves_by_path(state) -> dict:  # PR: nnx_functional
+  """The leaves of each Variable of ``state``, by path."""
+  return {path: jax.tree.leaves(v) for path, v in nnx.to_flat_state(state)}
+
+
+def _changed(before: dict, after):  # PR: nnx_functional
+  """The Variables of the State ``after`` whose leaves are not ``before``'s
+  (:func:`_leaves_by_path` of the staged inputs, taken before ``f`` ran).
+
+  Compared by identity while ``f`` is staged, where a value ``f`` left
+  alone is the staged input itself: the caller's Variable is then not
+  written to, so it keeps its value as it was (a NumPy array stays that
+  object; the staged program would return it as a JAX array), and a
+  Variable of another trace (a ``jax.vmap`` around the call) is not
+  mutated where ``f`` does not mutate it.
+  """
+  changed = []
+  for path, v in nnx.to_flat_state(after):
+    old, new = before.get(path), jax.tree.leaves(v)
+    if (
+        old is None
+        or len(old) != len(new)
+        or any(a is not b for a, b in zip(old, new))
+    ):
+      changed.append((path, v))
+  return nnx.from_flat_state(changed)
 
 
 def _split_call(  # PR: nnx_functional
     stage, f, scope, leaves, treedef, positions, nodes
 ):
   graphdef, plain, refs, kept = nnx.split(nodes, _is_plain, _is_traced, ...)
-  before = jax.tree.leaves(plain)
   rest = list(leaves)
   for k, i in enumerate(positions):
     rest[i] = _Slot(k)
 
   def pure_f(rest, plain, refs):
+    before = _leaves_by_path(plain)  # ``f`` may update these Variables
     inner = nnx.merge(graphdef, plain, refs, kept)
     full = list(rest)
     for i, node in zip(positions, inner):
@@ -289,13 +326,10 @@ def _split_call(  # PR: nnx_functional
     inner_args, inner_kwargs = jax.tree.unflatten(treedef, full)
     with trace_key():
       out = f(*inner_args, **inner_kwargs)
-    return _cross_out(out, inner), nnx.state(inner, _is_plain)
+    return _cross_out(out, inner), _changed(before, nnx.state(inner, _is_plain))
 
   (out, updates), extra = stage(pure_f, (rest, plain, refs), {})
-  after = jax.tree.leaves(updates)
-  if len(after) != len(before) or any(
-      a is not b for a, b in zip(after, before)
-  ):
+  if updates:
     nnx.update(nodes, updates)
   return _uncross_out(out, nodes), extra
 

@@ -184,9 +184,10 @@ def _state_sow(scope, frames, value, full, tag) -> None:
   _reduced_sow(scope, frames, value, full, tag, _last, zeros, True)
 
 
-def _no_arrays(value) -> bool:
-  """Whether no leaf of ``value`` is an array (Python numbers, strings...)."""
-  arrays = (jax.Array, np.ndarray, np.generic, jax.core.Tracer)
+def _no_jax_arrays(value) -> bool:
+  """Whether no leaf of ``value`` is a JAX array or tracer: Python numbers,
+  strings, NumPy arrays and scalars, which Flax keeps as they are."""
+  arrays = (jax.Array, jax.core.Tracer)
   return not any(isinstance(x, arrays) for x in jax.tree.leaves(value))
 
 
@@ -195,12 +196,15 @@ _IN_PYTHON = object()  # the sow was folded in Python
 
 
 def _fold_in_python(scope, key, value, reduce_fn, init_fn):
-  """Folds a sow of Python values (no array leaf) in Python, as Flax does.
+  """Folds a sow of Python and NumPy values (no JAX array leaf) in Python,
+  as Flax does.
 
   At the top level of an ``nnx.capture``'s function, where Flax folds in
-  Python, a name sown only with values that hold no array is kept in
+  Python, a name sown only with values that hold no JAX array is kept in
   Python (``scope.python``): ``0.1`` stays a ``float``, ``2**40`` an
-  ``int``. Once a sow of the name needs the core (an array, or a sow inside
+  ``int``, a NumPy array the caller's ``np.ndarray`` (float64 if it is),
+  ``np.int64(2**40)`` that scalar, and ``reduce_fn`` folds them as Flax
+  does. Once a sow of the name needs the core (a JAX array, or a sow inside
   a jit, loop or other transform) the name goes to the core for the rest of
   the call, starting from what was held.
 
@@ -210,15 +214,15 @@ def _fold_in_python(scope, key, value, reduce_fn, init_fn):
     start from.
   """
   held = scope.python.pop(key, _NOTHING)
-  if key not in scope.to_core and _no_arrays(value) and scope.at_top():
+  if key not in scope.to_core and _no_jax_arrays(value) and scope.at_top():
     start = init_fn() if held is _NOTHING else held
     new = _NOTHING
-    if _no_arrays(start):
+    if _no_jax_arrays(start):
       try:
         new = reduce_fn(start, value)
       except (TypeError, AttributeError):
         pass  # e.g. v.sum(): the core folds it on arrays, as it did before
-    if new is not _NOTHING and _no_arrays(new):
+    if new is not _NOTHING and _no_jax_arrays(new):
       scope.python[key] = new
       return _IN_PYTHON
     if held is _NOTHING:
@@ -228,15 +232,17 @@ def _fold_in_python(scope, key, value, reduce_fn, init_fn):
 
 
 def _to_core(where: str, emit: tp.Callable[[], tp.Any]) -> None:
-  """``emit()``, naming the sow when a Python value is out of range."""
+  """``emit()``, naming the sow when a Python or NumPy integer is out of
+  range (the core raises rather than wrap it)."""
   try:
     emit()
   except OverflowError as e:
     raise OverflowError(
-        f'{where}: {e}. Inside a jit, loop or other transform (or next to an'
-        ' array sown under the same name) a sown Python number becomes an'
-        ' array (int32/float32, as jnp.asarray makes it); sow it as an array'
-        ' of a wide enough dtype, or outside the transform.'
+        f'{where}: {str(e).rstrip(".")}. Inside a jit, loop or other'
+        ' transform (or next to a JAX array sown under the same name) a sown'
+        ' Python number or NumPy value becomes a JAX array (int32/float32'
+        ' while jax_enable_x64 is off, as jnp.asarray makes it); at the top'
+        ' level of the captured function it is kept as it is.'
     ) from None
 
 
@@ -486,7 +492,7 @@ def _held_before(scope, key, init, accepted, value, reduce_fn, init_fn):
     # before the call): the accumulator starts from it (a tuple of values
     # for the default reduce_fn, which then appends to it).
     held = init[1]
-    if in_nnx and _no_arrays(held) and key not in scope.to_core:
+    if in_nnx and _no_jax_arrays(held) and key not in scope.to_core:
       # A Python value: Flax folds on from it in Python.
       scope.python.setdefault(key, held)
   if in_nnx and (init is None or key in scope.python):
@@ -573,7 +579,11 @@ def _record_method_output(  # PR: nnx_functional
     if held is not _IN_PYTHON and hooks.is_array_tree(result):
       if held is not _NOTHING:
         scope.prefix[key] = held
-      _core_sow(result, name=full, tag=scope.method_outputs)
+      _to_core(
+          f'nnx.capture(method_outputs=...): the output of'
+          f' {type(self).__name__}.{method_name}',
+          lambda: _core_sow(result, name=full, tag=scope.method_outputs),
+      )
 
 
 hooks.method_output_recorder = _record_method_output  # PR: nnx_functional

@@ -135,6 +135,7 @@ def capture(
     accepts_key = Selection(accepts_key, _check_names(names))
   call = functools.partial(_capture_call, f)
   call = _EagerJitted(f, call)  # PR: eager
+  call = primitive_lib.naming_broadcast_perturbs(call)  # PR: perturb
   call = name_hints.reporting(call)  # PR: name_hints
 
   @functools.wraps(f)

@@ -67,6 +67,7 @@ from flax.nnx.sow.intervening import Intervening
 from flax.nnx.sow.primitive import JVP_MARKER
 from flax.nnx.sow.primitive import KEPT
 from flax.nnx.sow.primitive import Name
+from flax.nnx.sow.primitive import naming_broadcast_perturbs
 from flax.nnx.sow.primitive import sow_p
 from flax.nnx.sow.primitive import staging_active
 from flax.nnx.sow.reductions import strong
@@ -928,7 +929,7 @@ def _stage_and_intervene(f, accepts_key, values, strict, token, args, kwargs):
         accepts_key,
     )
   try:
-    staged = stage(f, key, args, kwargs)
+    staged = naming_broadcast_perturbs(stage)(f, key, args, kwargs)
   except ValueError as e:
     if key.batched_arrays and 'but output was batched' in str(e):
       raise _unmapped_output_error(key.batched_arrays) from e

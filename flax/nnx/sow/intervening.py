@@ -91,26 +91,21 @@ def staging_captures() -> tuple[tp.Any, ...]:
   return tuple(k for k in staging_keys() if not isinstance(k, Intervening))
 
 
-def intervening() -> Intervening | None:
-  """The ``intervene`` staging now, if it is the innermost transform staging.
-
-  Its sows must stay where they are, so that a replacement reaches their
-  consumers: a construct that ``jax.vmap`` batches keeps a ``'kept'`` half
-  of each in place and hoists only its result (``constructs/batched.py``).
-  A sow it replaces comes back batched under ``jax.vmap``: a replacement per
-  example has to reach the sow's consumers.
-  """
-  if staging_keys() and isinstance(staging_keys()[-1], Intervening):
-    return staging_keys()[-1]
-  return None
-
-
 def replacing(params: dict[str, tp.Any]) -> Intervening | None:
   """The ``intervene`` whose staging replaces the sow with ``params``.
 
   The innermost staging transform that takes the sow decides: a capture
   that accepts it collects it (the intervenes around never see it), an
   intervene that replaces it replaces it; the others leave it to the next.
+  So a sow that a capture inside the intervened function does not accept
+  (``capture(g, names=...)``) stays the intervene's, also while that
+  capture is the innermost transform staging.
+
+  Such a sow must stay where it is, so that a replacement reaches its
+  consumers: a construct that ``jax.vmap`` batches keeps a ``'kept'`` half
+  of it in place and hoists only its result (``constructs/batched.py``),
+  and it comes back batched under ``jax.vmap`` (a replacement per example
+  has to reach its consumers; ``_intervened_batch``).
   """
   for key in reversed(staging_keys()):
     if isinstance(key, Intervening):
@@ -227,10 +222,10 @@ def _intervened_transpose(core_transpose, cts, *args, **params):
 
 
 def _intervened_batch(core_batch, axis_data, leaves, dims, **params):
-  key = intervening()
+  key = replacing(params) if params['effect'] else None
   if _replaced_by_callable_unbatched(key, params, dims):
     return _kept_unbatched(axis_data, leaves, params)
-  replaced = key is not None and params['effect'] and key.replaces(params)
+  replaced = key is not None
   if params['kind'] not in DERIVATIVE_KINDS and not replaced:
     return core_batch(axis_data, leaves, dims, **params)
   outs = bind_mapped_first(axis_data, leaves, dims, params)
@@ -249,11 +244,9 @@ def _replaced_by_callable_unbatched(key, params, dims) -> bool:
   a callable (it then stays unbatched where it is, see _kept_unbatched)."""
   return (
       key is not None
-      and params['effect']
       and params['kind'] == 'value'
       and params['reduction'] is None
       and all(d is None for d in dims)
-      and key.replaces(params)
       and params['sow_name'] not in key.arrays
   )
 

@@ -27,8 +27,9 @@ rewrite resolves), and a batching rule that moves the mapped axis first. Collect
 from __future__ import annotations
 
 import dataclasses
+import functools  # PR: perturb
 import os
-import threading  # PR: eager
+import threading  # PR: perturb
 import typing as tp
 
 import jax
@@ -114,6 +115,11 @@ sow_p.multiple_results = True
 #   grows with every ``perturb`` call traced (``api.py``), so that a
 #   capture can tell the backward passes of one name apart and put their
 #   cotangents in call order (``Collector.result``).
+# * ``differentiated`` (only on a ``perturb``'s marker, once its JVP rule
+#   has routed its tangent): a ``jax.vmap`` around that differentiation
+#   (``jax.jacfwd``, ``jax.vmap(jax.grad(f))``) leaves the marker unbatched
+#   where its value is (its cotangents are batched where they are sown),
+#   while one inside it broadcasts an unbatched value (``_sow_batch``).
 # * ``zero_tangent`` (only on a sow an ``intervene`` replaces by arrays, once
 #   differentiated inside its function): its tangent was taken to be zero,
 #   so the intervene must replace it (``Injector.on_sow``).
@@ -330,10 +336,17 @@ def _sow_jvp(primals, tangents, **params):
   # ``jax.grad`` collects primals). A ``perturb`` marker routes its tangent
   # through ``perturb_tangent_p``, whose transpose sows the cotangent.
   tangents = list(tangents[: len(tangents) - params['n_closure']])
-  out = sow_p.bind(*primals, **params)
   if params['kind'] == 'perturb':  # PR: perturb
+    out = sow_p.bind(*primals, **differentiated(params))
     return out, perturb_tangents(tangents, params)
+  out = sow_p.bind(*primals, **params)
   return out, tangents
+
+
+def differentiated(params: dict[str, tp.Any]) -> dict:  # PR: perturb
+  """The parameters of a ``perturb`` marker whose tangent a JVP rule has
+  routed (see ``per_example``)."""
+  return dict(params, differentiated=True)
 
 
 _jax.primitive_jvps[sow_p] = _sow_jvp
@@ -354,8 +367,74 @@ def _sow_batch(axis_data, leaves, dims, **params):
   # results keep the operands' own axes, so the sow stays an identity.
   outs = bind_mapped_first(axis_data, leaves, dims, params)
   n = len(outs)  # the closure is batched with the value, not returned
+  if per_example(params):  # PR: perturb
+    if any(d is None for d in dims[:n]):
+      _BROADCAST.count += 1
+      _BROADCAST.last = params['sow_name']
+    return outs, [0] * n
   outs = [o if d is not None else x for o, x, d in zip(outs, leaves, dims)]
   return outs, [None if d is None else 0 for d in dims[:n]]
+
+
+def per_example(params: dict[str, tp.Any]) -> bool:  # PR: perturb
+  """Whether a ``jax.vmap`` gives the ``perturb`` marker with ``params``
+  one value per example, also where its value does not vary over the vmap.
+
+  A marker staged while a capture or an intervene stages, that no JVP rule
+  has differentiated yet (``differentiated``), may be differentiated around
+  the vmap (``jax.grad(f)`` with a ``jax.vmap`` inside ``f``, also through a
+  ``jax.jit`` staged first): its cotangent is collected with the mapped axis
+  first, one per example, as a sown value is, so the value its consumers
+  read must be the broadcast one, or the backward pass would add the
+  examples' cotangents together before they reach the marker.
+  """
+  return (
+      params['kind'] == 'perturb'
+      and params['effect']
+      and not params.get('differentiated', False)
+  )
+
+
+class _Broadcast(threading.local):  # PR: perturb
+  """How many ``perturb`` markers this thread has broadcast over a
+  ``jax.vmap`` that does not batch their value (``per_example``), and the
+  name of the last one (for errors)."""
+
+  count: int = 0
+  last: Name | None = None
+
+
+_BROADCAST = _Broadcast()  # PR: perturb
+
+
+def naming_broadcast_perturbs(call):  # PR: perturb
+  """``call``, with JAX's error for a ``jax.vmap(..., out_axes=None)``
+  whose output is batched turned into one that names the ``perturb`` that
+  ``per_example`` broadcast while ``call`` ran, if one was."""
+
+  @functools.wraps(call)
+  def wrapped(*args, **kwargs):
+    before = _BROADCAST.count
+    try:
+      return call(*args, **kwargs)
+    except ValueError as e:
+      if _BROADCAST.count == before or 'but output was batched' not in str(e):
+        raise
+      raise _broadcast_perturb_error(_BROADCAST.last) from e
+
+  return wrapped
+
+
+def _broadcast_perturb_error(name: Name) -> ValueError:  # PR: perturb
+  return ValueError(
+      f'perturb {name!r} sits in a `jax.vmap` over which its value does not'
+      ' vary, inside a capture or intervene: its cotangent is collected one'
+      ' per example, mapped axis first, so the vmap broadcasts the value'
+      ' and what it flows into is batched too. A `jax.vmap` there returns'
+      ' such a value with out_axes=None, which a batched output cannot'
+      ' have. Perturb the value outside that vmap (its cotangent is then'
+      ' the sum over the examples), or return it with out_axes=0.'
+  )
 
 
 def bind_mapped_first(axis_data, leaves, dims, params) -> list:

@@ -25,8 +25,9 @@ after the construct with the mapped axis first (:func:`sow_again`); markers
 before the construct keep each name's order of first sow
 (:func:`mark_order`). This file holds that shared half.
 
-While ``intervene`` stages its function (``intervening.intervening()``), a
-sow must stay where its value is used, so that a replacement reaches its
+While ``intervene`` stages its function, a sow it replaces
+(``intervening.replacing``: one that no capture staged inside it accepts)
+must stay where its value is used, so that a replacement reaches its
 consumers; a capture around the intervene must still get the value hoisted,
 with the mapped axis first and only for the branch taken, as it gets from
 the function with the replacement written by hand. So each plain sow is
@@ -44,6 +45,7 @@ import jax
 from flax.nnx.sow import _jax
 from flax.nnx.sow.collect import Layout
 from flax.nnx.sow.collect import cached
+from flax.nnx.sow.intervening import replacing
 from flax.nnx.sow.primitive import HOISTED
 from flax.nnx.sow.primitive import KEPT
 from flax.nnx.sow.primitive import bind_sow
@@ -108,15 +110,21 @@ NO_LEAVES = jax.tree_util.tree_structure(())
 
 
 def kept_in_place(closed: _jax.ClosedJaxpr) -> _jax.ClosedJaxpr:
-  """``closed`` with every staged plain value sow, at any depth, split in two.
+  """``closed`` with every staged plain value sow that an ``intervene``
+  staging now replaces (``replacing``), at any depth, split in two.
 
   ``y = sow(x)`` becomes ``k = sow[kind='kept'](x); y = sow[kind='hoisted'](k)``:
   hoisting the plain sows (``PLAIN_SOWS``) then takes the hoisted half, whose
   operand is the kept sow's result (the replacement, once ``intervene`` has
-  replaced the kept sow), and leaves the kept half in place. Cached per
-  jaxpr.
+  replaced the kept sow), and leaves the kept half in place. A sow that a
+  capture staged inside the intervene accepts is that capture's: it is
+  hoisted whole, as without intervene. ``closed`` itself where no sow is
+  split; cached per jaxpr and sows split.
   """
-  return cached(closed, ('kept_in_place',), lambda: _split_closed(closed))
+  split = tuple(_splits(s.eqn.params) for s in sow_sites(closed.jaxpr))
+  if not any(split):
+    return closed
+  return cached(closed, ('kept_in_place', split), lambda: _split_closed(closed))
 
 
 def _split_closed(closed):
@@ -135,6 +143,7 @@ def _splits(params) -> bool:
       and not params['n_closure']
       and params['effect']
       and not params['remat_copy']
+      and replacing(params) is not None
   )
 
 

@@ -58,7 +58,7 @@ from flax.nnx.sow.constructs.masked import masked_branches
 from flax.nnx.sow.constructs.masked import rules as masked_rules
 from flax.nnx.sow.inject import intervene_rules
 from flax.nnx.sow.primitive import MARKER_KINDS
-from flax.nnx.sow.intervening import intervening
+from flax.nnx.sow.intervening import replacing
 from flax.nnx.sow.intervening import staging_captures
 from flax.nnx.sow.reductions import strong
 from flax.nnx.sow.sites import PLAIN_SOWS
@@ -318,9 +318,8 @@ construct_names[_jax.cond_p] = '`lax.cond`/`lax.switch`'
 
 
 def _cond_batcher(jax_rule, axis_data, args, dims, *, branches, **params):
-  key = intervening()
-  if key is not None and dims[0] is not None:
-    _check_no_array_replacement(key, branches)
+  if dims[0] is not None:
+    _check_no_array_replacement(branches)
   if (
       dims[0] is None
       or not staging_captures()
@@ -379,9 +378,7 @@ def _plain_hoisted(branches, n_kept: int):
   """
   if not any(has_plain_sows(b) for b in branches):
     return branches, None
-  split = branches
-  if intervening() is not None:
-    split = [kept_in_place(b) for b in branches]
+  split = [kept_in_place(b) for b in branches]
   try:
     return align_branches(
         [rewrite_jaxpr(b, PLAIN_SOWS, ()) for b in split], n_kept, branches
@@ -407,7 +404,7 @@ def _collects_plain(branches) -> bool:
   )
 
 
-def _check_no_array_replacement(key, branches) -> None:
+def _check_no_array_replacement(branches) -> None:
   """``intervene`` cannot give an array entry to a sow in a batched ``cond``.
 
   vmap runs every branch and selects, so each branch's sow would take an
@@ -415,7 +412,8 @@ def _check_no_array_replacement(key, branches) -> None:
   """
   for b in branches:
     for s in sow_sites(b.jaxpr):
-      if s.name in key.arrays and key.replaces(s.eqn.params):
+      key = replacing(s.eqn.params) if s.eqn.params['effect'] else None
+      if key is not None and s.name in key.arrays:
         raise ValueError(
             f'intervene: sow {s.name!r}{s.where} is inside `lax.cond`/'
             '`lax.switch` with a predicate batched by `jax.vmap`, which runs'

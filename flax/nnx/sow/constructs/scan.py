@@ -46,7 +46,6 @@ from flax.nnx.sow.constructs.batched import mark_order
 from flax.nnx.sow.constructs.batched import sow_again
 from flax.nnx.sow.inject import intervene_rules
 from flax.nnx.sow.inject import one_body
-from flax.nnx.sow.intervening import intervening
 from flax.nnx.sow.intervening import staging_captures
 from flax.nnx.sow.sites import PLAIN_SOWS
 from flax.nnx.sow.sites import construct_names
@@ -126,7 +125,7 @@ def _scan_batcher(jax_rule, axis_data, args, dims, **params):
     return jax_rule(axis_data, args, dims, **params)
   # Under intervene, each sow stays in the body (a kept half, which it
   # replaces) and its result is hoisted (``batched.py``).
-  split = kept_in_place(body) if intervening() else body
+  split = kept_in_place(body)
   # [consts, carry, xs] -> [carry, ys, entries]: the entries are extra ys.
   new_body, layout = rewrite_jaxpr(split, PLAIN_SOWS, ())
   # The hoisted sows come after the scan; markers before it keep every name

@@ -69,7 +69,6 @@ from jax._src import effects
 from jax._src import linear_util as lu
 from jax._src import config as jax_config  # PR: toplevel
 from jax._src import mesh as mesh_lib  # PR: reductions
-from jax._src import pjit as pjit_lib  # PR: eager
 from jax._src import shard_map as shard_map_lib  # PR: shard_map
 from jax._src import source_info_util
 from jax._src import stages  # PR: eager

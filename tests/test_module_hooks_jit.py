@@ -235,6 +235,50 @@ class TwoLayersTest(absltest.TestCase):
     )
 
 
+class NnxTransformInsideTest(absltest.TestCase):
+  """A plain JAX transform given the model, with an NNX transform (or a
+  split and merge) inside it: the NNX copy of the JAX copy keeps the path."""
+
+  def setUp(self):
+    super().setUp()
+    self.mlp = Mlp(nnx.Rngs(2))
+    self.x = jnp.array([[1.0, -2.0, 0.5], [0.25, 3.0, -1.0]])
+    h = _linear(self.mlp.l1, self.x)
+    self.want = {
+        ('l1', '__call__'): (h,),
+        ('l2', '__call__'): (_linear(self.mlp.l2, jax.nn.relu(h)),),
+    }
+
+  def test_nnx_inside_jax(self):
+    nnx_jit = nnx.jit(_call)
+    for f in (
+        jax.jit(lambda m, x: nnx_jit(m, x)),
+        jax.jit(lambda m, x: nnx.merge(*nnx.split(m))(x)),
+        jax.jit(lambda m, x: nnx.vmap(_call, in_axes=(None, 0))(m, x)),
+        jax.checkpoint(lambda m, x: nnx_jit(m, x)),
+    ):
+      _, got = capture(module_outputs(f, nnx.Linear))(self.mlp, self.x)
+      _close(self, got, self.want)
+    # Around module_outputs, and a vmap that broadcasts the model.
+    f = jax.jit(module_outputs(nnx_jit, nnx.Linear))
+    _close(self, capture(f)(self.mlp, self.x)[1], self.want)
+    f = jax.vmap(lambda m, r: nnx_jit(m, r), in_axes=(None, 0))
+    _, got = capture(module_outputs(f, nnx.Linear))(self.mlp, self.x)
+    _close(self, got, self.want)
+
+  def test_intervene_through_both(self):
+    f = jax.jit(lambda m, x: nnx.jit(_call)(m, x))
+    ablated = intervene(
+        module_outputs(f, nnx.Linear),
+        {('l1', '__call__'): lambda h: jnp.zeros_like(h)},
+    )
+    np.testing.assert_allclose(
+        ablated(self.mlp, self.x),
+        jnp.broadcast_to(self.mlp.l2.bias.get_value(), (2, 3)),
+        rtol=1e-6,
+    )
+
+
 class CannotTellTest(absltest.TestCase):
   """A copy that could be of modules at several paths raises."""
 

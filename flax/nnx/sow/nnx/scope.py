@@ -856,8 +856,15 @@ def innermost_naming(
   for group in groups:
     for scope in group:
       named = scope.name_of(obj)
-      if named is None and follow_copies:  # PR: nnx_functional
-        named = scope.follow_copy(obj)
+      if follow_copies and (  # PR: nnx_functional
+          named is None
+          or (named[1] is not None and scope.resolve(obj) is None)
+      ):
+        # Not named, or only as an object merged from a graphdef split
+        # before the capture: a copy of a named module (a plain JAX
+        # transform's, then perhaps split and merged again by an NNX
+        # transform inside it) takes that module's path.
+        named = scope.follow_copy(obj) or named
       if named is not None:
         path, why = named
         if why is not None:

@@ -595,10 +595,14 @@ def _applied(how, f):
 
 
 class UnusedCheckpointTest(parameterized.TestCase):
-  """A ``jax.checkpoint`` whose inputs and outputs are unused, holding a sow,
-  inside another ``checkpoint`` under ``grad``: JAX's dead-code elimination
-  drops such a checkpoint even though its body has effects; the sow is still
-  collected once (found by the long generator run)."""
+  """A ``jax.checkpoint`` whose inputs and outputs are unused, holding a sow
+  of a constant (a documented limit, *Limitations* in
+  ``docs/how_it_works.md``). Inside another ``checkpoint`` under ``grad``,
+  JAX's dead-code elimination drops such a checkpoint even though its body
+  has effects, and the sow with it: the name is missing, never a wrong
+  value or a crash. Elsewhere (no enclosing ``checkpoint``, no
+  differentiation) it is collected once. The gradient is JAX's either
+  way."""
 
   @staticmethod
   def _loss(x, reduced=False):
@@ -629,17 +633,48 @@ class UnusedCheckpointTest(parameterized.TestCase):
           'jit_grad_of_checkpoint',
           lambda f: jax.jit(jax.grad(jax.checkpoint(f))),
       ),
-      ('grad', jax.grad),
+      (
+          'vmap_grad_of_checkpoint',
+          lambda f: jax.vmap(jax.grad(jax.checkpoint(f))),
+      ),
   )
-  def test_collected_once(self, transform):
+  def test_dropped_with_the_checkpoint(self, transform):
+    x = jnp.asarray(X)
+    expected_grad = np.cos(X)  # d/dx sum(sin(x))
+    if 'vmap' in self._testMethodName:
+      x, expected_grad = jnp.stack([x, -x]), np.stack([np.cos(X), np.cos(X)])
+    for reduced in (False, True):
+      loss = functools.partial(self._loss, reduced=reduced)
+      grad, collected = capture(transform(loss))(x)
+      np.testing.assert_allclose(grad, expected_grad, rtol=1e-6)
+      self.assertEqual(dict(collected), {})  # 'c' is missing
+
+  @parameterized.named_parameters(
+      ('eager', lambda f: f),
+      ('jit', jax.jit),
+      ('checkpoint', jax.checkpoint),
+      ('grad', jax.grad),
+      ('jit_grad', lambda f: jax.jit(jax.grad(f))),
+  )
+  def test_collected_once_elsewhere(self, transform):
     for reduced, want in ((False, (1.5,)), (True, 3.0)):  # 0 + 2 * 1.5
       loss = functools.partial(self._loss, reduced=reduced)
-      grad, collected = capture(transform(loss))(jnp.asarray(X))
-      np.testing.assert_allclose(grad, np.cos(X), rtol=1e-6)
+      _, collected = capture(transform(loss))(jnp.asarray(X))
       self.assertEqual(list(collected), ['c'])
       np.testing.assert_allclose(
           np.asarray(collected['c'], np.float32), np.asarray(want, np.float32)
       )
+
+  def test_a_sow_that_reads_an_input_is_kept(self):
+    # The drop needs a body that reads none of the checkpoint's inputs.
+    def loss(x):
+      jax.checkpoint(lambda x: sow(2.0 * x, name='c'))(x)
+      return jnp.sum(jnp.sin(x))
+
+    grad, collected = capture(jax.grad(jax.checkpoint(loss)))(jnp.asarray(X))
+    np.testing.assert_allclose(grad, np.cos(X), rtol=1e-6)
+    self.assertEqual(list(collected), ['c'])
+    np.testing.assert_allclose(collected['c'][0], 2.0 * X, rtol=1e-6)
 
   def test_in_a_custom_vjp_whose_fwd_skips_the_primal(self):
     @jax.custom_vjp
@@ -651,10 +686,14 @@ class UnusedCheckpointTest(parameterized.TestCase):
 
     fn.defvjp(lambda x: (x, None), lambda _, g: (2.0 * g,))
     loss = lambda x: jnp.sum(fn(x))
-    for transform in (jax.grad, lambda f: jax.grad(jax.checkpoint(f))):
+    for transform, expected in (
+        (jax.grad, {'s': 1.5}),
+        # Inside another checkpoint: dropped with it (the limit above).
+        (lambda f: jax.grad(jax.checkpoint(f)), {}),
+    ):
       grad, collected = capture(transform(loss))(jnp.asarray(X))
       np.testing.assert_allclose(grad, 2.0 * np.ones(3), rtol=1e-6)
-      self.assertEqual(dict(collected), {'s': 1.5})
+      self.assertEqual(dict(collected), expected)
 
 
 class PerturbInWhileLoopTest(parameterized.TestCase):

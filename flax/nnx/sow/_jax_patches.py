@@ -248,17 +248,6 @@ INVENTORY: tuple[Patch, ...] = (
         _wrap_bind_with_trace(_jax.custom_vjp_call_p),
     ),
     Patch(  # PR: partial_eval
-        'remat_dce',
-        'pe.dce_rules[remat_p]',
-        'constructs/partial_eval.py',
-        'JAX drops a checkpoint whose inputs and outputs are all unused even'
-        ' when its body has effects; one that holds a collecting sow (a sow'
-        ' of a constant, inside another checkpoint under grad) must still'
-        ' run once.',
-        'Effects that opt out of that drop (as they opt out of DCE).',
-        _wrap_rule(_jax.dce_rules, _jax.remat_p),
-    ),
-    Patch(  # PR: partial_eval
         'scan_hoisting',
         'jax._src.lax.control_flow.loops._scan_known_hoisting',
         'constructs/partial_eval.py',

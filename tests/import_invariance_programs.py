@@ -631,7 +631,7 @@ def _custom_programs() -> dict[str, Program]:
 
 
 # ----------------------------------------------------------------------------
-# custom_linear_solve (its JVP rule and bind are wrapped).
+# custom_linear_solve (its JVP rule is wrapped).
 
 
 def _diag_solve(x):

@@ -394,17 +394,6 @@ INVENTORY: tuple[Patch, ...] = (
         ' recomputations (or a per-effect hook in that rule).',
         _wrap_rule(_jax.primitive_jvps, _jax.linear_solve_p),
     ),
-    Patch(  # PR: linear_solve
-        'linear_solve_bind',
-        'linear_solve_p.bind_with_trace',
-        'constructs/linear_solve.py',
-        'symmetric=True (or a solve that calls matvec) traces the sows of'
-        ' solve again into transpose_solve (or matvec), which never run on'
-        ' primal values; those copies are marked as such when the equation'
-        ' is bound, so an enclosing jit or loop sees each sow once.',
-        'A per-primitive hook saying which sub-jaxprs run on primal values.',
-        _wrap_bind_with_trace(_jax.linear_solve_p),
-    ),
 )
 
 def _put(patch: Patch, wrapper: tp.Callable) -> None:

@@ -637,6 +637,10 @@ class UnusedCheckpointTest(parameterized.TestCase):
           'vmap_grad_of_checkpoint',
           lambda f: jax.vmap(jax.grad(jax.checkpoint(f))),
       ),
+      (
+          'value_and_grad_of_checkpoint',
+          lambda f: lambda x: jax.value_and_grad(jax.checkpoint(f))(x)[1],
+      ),
   )
   def test_dropped_with_the_checkpoint(self, transform):
     x = jnp.asarray(X)

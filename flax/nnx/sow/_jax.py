@@ -159,7 +159,7 @@ user_context = source_info_util.user_context
 current_name_stack = source_info_util.current_name_stack
 
 
-def is_eval_trace(trace) -> bool:  # PR: eager
+def is_eval_trace(trace) -> bool:  # PR: toplevel
   """Whether ``trace`` is JAX's eval trace (no transform is tracing)."""
   return isinstance(trace, core.EvalTrace)
 

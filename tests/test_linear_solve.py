@@ -430,6 +430,65 @@ class CopiesTest(parameterized.TestCase):
     assert_close(grad, 1.0 / D)
 
 
+T = np.array([1.0, -1.0], np.float32)  # a tangent
+
+
+def _sum_of(f):
+  return lambda b: jnp.sum(f(b))
+
+
+TRANSFORMS = {
+    'grad_of_jit': lambda f: jax.grad(_sum_of(jax.jit(f))),
+    'grad_of_checkpoint': lambda f: jax.grad(jax.checkpoint(_sum_of(f))),
+    'grad_of_scan': lambda f: jax.grad(
+        lambda b: jnp.sum(
+            jax.lax.scan(lambda c, _: (f(c), None), b, None, length=1)[0]
+        )
+    ),
+    'jit_of_jvp': lambda f: jax.jit(lambda b: jax.jvp(f, (b,), (T,))[0]),
+    'linearize': lambda f: lambda b: jax.linearize(f, b)[1](T),
+    'hessian': lambda f: jax.hessian(lambda b: jnp.sum(f(b) ** 2)),
+}
+
+
+def _sowing_solves():
+  """(name, f, the value sown once per primal solve) for a sow in solve
+  (with and without symmetry) and in a matvec that solve calls."""
+  calls_matvec = lambda b: jax.lax.custom_linear_solve(
+      lambda x: sow(jnp.asarray(A) @ x, name='s'),
+      b,
+      lambda mv, b: b / jnp.asarray(D) + 0.0 * mv(b),
+      symmetric=True,
+  )
+  return (
+      ('transpose_solve', linear_solve(solve_sowing), B / D),
+      ('symmetric', linear_solve(solve_sowing, symmetric=True), B / D),
+      ('solve_calls_matvec', calls_matvec, A @ B),
+  )
+
+
+class OncePerPrimalSolveTest(parameterized.TestCase):
+  """One entry, with primal values, under every way JAX differentiates the
+  solve inside the capture: the tangent solve (a remat copy, from the
+  wrapped JVP rule) and its transpose (recognised by the rules) never
+  collect, nor do the copies of solve's sows in the other functions."""
+
+  @parameterized.named_parameters(
+      (f'{name}_{t}', f, want, t)
+      for name, f, want in _sowing_solves()
+      for t in sorted(TRANSFORMS)
+  )
+  def test_one_entry(self, f, want, transform):
+    out, collected = capture(TRANSFORMS[transform](f))(B)
+    plain_f = linear_solve(divide, symmetric=True)
+    assert_close(out, TRANSFORMS[transform](plain_f)(B))
+    if transform == 'grad_of_scan':  # one row per iteration
+      want = want[None]
+    if transform == 'hessian':  # jacfwd maps over the 2 basis tangents
+      want = np.stack([want, want])
+    assert_collected(self, collected, {'s': (want,)})
+
+
 class TransposedTest(parameterized.TestCase):
   """``jax.linear_transpose`` of a function that calls
   ``custom_linear_solve`` binds the solve with its functions swapped: it

@@ -680,6 +680,57 @@ class UnusedCheckpointTest(parameterized.TestCase):
     self.assertEqual(list(collected), ['c'])
     np.testing.assert_allclose(collected['c'][0], 2.0 * X, rtol=1e-6)
 
+  def test_a_checkpoint_whose_output_is_used_is_kept(self):
+    def loss(x):
+      def inner(x):
+        sow(jnp.float32(1.5), name='c')
+        return x
+
+      return jnp.sum(jnp.sin(jax.checkpoint(inner)(x)))
+
+    grad, collected = capture(jax.grad(jax.checkpoint(loss)))(jnp.asarray(X))
+    np.testing.assert_allclose(grad, np.cos(X), rtol=1e-6)
+    self.assertEqual(list(collected), ['c'])
+    np.testing.assert_allclose(collected['c'][0], 1.5)
+
+  def test_a_name_also_sown_elsewhere_keeps_the_other_sows(self):
+    # Documented: the dropped sow's entry (or its fold) is missing, the
+    # others stay.
+    def loss(x, reduced):
+      def sow_c(v):
+        if reduced:
+          sow(
+              v,
+              name='c',
+              reduce_fn=lambda a, b: a + 2.0 * b,
+              init_fn=lambda: 0.0,
+          )
+        else:
+          sow(jnp.float32(v), name='c')
+
+      def inner(x):
+        sow_c(1.5)
+        return x
+
+      sow_c(0.25)
+      jax.checkpoint(inner)(x)  # its output is unused
+      return jnp.sum(jnp.sin(x))
+
+    # reduced: 2 * 0.25, and + 2 * 1.5 where the checkpoint's sow runs
+    for reduced, full, kept in (
+        (False, (0.25, 1.5), (0.25,)),
+        (True, 3.5, 0.5),
+    ):
+      f = functools.partial(loss, reduced=reduced)
+      _, collected = capture(f)(jnp.asarray(X))
+      np.testing.assert_allclose(
+          np.asarray(collected['c'], np.float32), np.asarray(full, np.float32)
+      )
+      _, collected = capture(jax.grad(jax.checkpoint(f)))(jnp.asarray(X))
+      np.testing.assert_allclose(
+          np.asarray(collected['c'], np.float32), np.asarray(kept, np.float32)
+      )
+
   def test_in_a_custom_vjp_whose_fwd_skips_the_primal(self):
     @jax.custom_vjp
     def fn(x):

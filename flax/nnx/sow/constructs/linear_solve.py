@@ -70,8 +70,8 @@ from flax.nnx.sow.constructs.adapter import permuted
 from flax.nnx.sow.inject import intervene_rules
 from flax.nnx.sow.inject import one_body
 from flax.nnx.sow.sites import construct_names
-from flax.nnx.sow.sites import holds_staged_sow
 from flax.nnx.sow.sites import counted_jaxprs
+from flax.nnx.sow.sites import holds_staged_sow
 from flax.nnx.sow.sites import sow_sites
 from flax.nnx.sow.sites import without_staged_sows
 
@@ -115,8 +115,7 @@ def _check_transposed(jaxprs, takes) -> None:
             ' function that calls `custom_linear_solve`: it solves with'
             ' `transpose_solve` on cotangents), never on the primal values,'
             ' so a capture or intervene cannot give it a value. Sow the'
-            ' inputs or the result of `custom_linear_solve` outside it, or'
-            ' transpose outside the capture.'
+            ' inputs or the result of `custom_linear_solve` outside it.'
         )
 
 

@@ -264,8 +264,8 @@ def _checkpoint_programs() -> dict[str, Program]:
           ('remat2', 'custom_jvp_call'),
       ),
       # An effectful checkpoint whose inputs and outputs are unused, inside
-      # another under grad: JAX drops it (the remat_dce entry keeps it only
-      # when it holds a sow a capture is staging).
+      # another under grad: JAX drops it (a sow of a constant there is
+      # dropped with it, a documented limit).
       'checkpoint_unused_effectful_checkpoint_grad': (
           _grad(jax.checkpoint(unused_effectful_checkpoint)),
           (x3,),
@@ -631,7 +631,7 @@ def _custom_programs() -> dict[str, Program]:
 
 
 # ----------------------------------------------------------------------------
-# custom_linear_solve (its JVP rule and bind are wrapped).
+# custom_linear_solve (its JVP rule is wrapped).
 
 
 def _diag_solve(x):

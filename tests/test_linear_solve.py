@@ -358,6 +358,179 @@ class ErrorTest(absltest.TestCase):
     assert_collected(self, collected, {'s': (B / D,)})
 
 
+class CopiesTest(parameterized.TestCase):
+  """The copies of ``solve``'s sows that ``symmetric=True`` traces into
+  ``transpose_solve`` (and a ``solve`` calling ``matvec`` into ``matvec``)
+  never run on primal values: each sow counts once, also for the constructs
+  around the solve (a ``jit`` counting the entries its body consumes, a
+  ``scan`` stacking them), which learn it from ``sites.running_jaxprs``."""
+
+  @parameterized.named_parameters(
+      ('eager', lambda f: f),
+      ('jit', jax.jit),
+      ('jit_of_jit', lambda f: jax.jit(jax.jit(f))),
+  )
+  def test_entries_in_order_with_a_sow_outside(self, transform):
+    solve = linear_solve(solve_sowing, symmetric=True)
+
+    def f(b):
+      sow(2.0 * b, name='s')  # before the solve
+      return solve(solve(b))
+
+    out, collected = capture(transform(f))(B)
+    assert_close(out, B / D / D)
+    assert_collected(self, collected, {'s': (2.0 * B, B / D, B / D / D)})
+    # intervene takes one entry per sow: 3, not 5 with the copies.
+    r = (np.float32(3.0) * B, R, 2.0 * R)
+    out = intervene(transform(f), {'s': r})(B)
+    # The second solve's sown value is replaced: its output is 2 R.
+    assert_close(out, 2.0 * R)
+
+  def test_in_a_scan(self):
+    solve = linear_solve(solve_sowing, symmetric=True)
+
+    def f(b):
+      return jax.lax.scan(lambda c, _: (solve(c), None), b, None, length=3)[0]
+
+    out, collected = capture(jax.jit(f))(B)
+    assert_close(out, B / D**3)
+    assert_collected(
+        self, collected, {'s': (np.stack([B / D, B / D**2, B / D**3]),)}
+    )
+    rows = np.stack([R, 2.0 * R, 3.0 * R])
+    assert_close(intervene(f, {'s': (rows,)})(B), 3.0 * R)
+
+  def test_matvec_called_by_solve_under_vmap_and_jit(self):
+    def sowing_matvec(x):
+      return sow(jnp.asarray(A) @ x, name='m')
+
+    def f(b):
+      return jax.lax.custom_linear_solve(
+          sowing_matvec,
+          b,
+          lambda mv, b: b / jnp.asarray(D) + 0.0 * mv(b),
+          symmetric=True,
+      )
+
+    out, collected = capture(jax.jit(jax.vmap(f)))(B2)
+    assert_close(out, B2 / D)
+    assert_collected(self, collected, {'m': ((B2 @ A.T),)})
+    out, collected = jax.vmap(capture(jax.jit(f)))(B2)
+    assert_close(out, B2 / D)
+    assert_collected(self, collected, {'m': ((B2 @ A.T),)})
+    # Replaced (the result of matvec only feeds 0 * ...): one entry.
+    assert_close(intervene(jax.jit(f), {'m': (R,)})(B), B / D)
+
+  def test_value_and_grad_of_intervene_under_jit(self):
+    f = linear_solve(solve_sowing, symmetric=True)
+    h = jax.jit(lambda b: jnp.sum(intervene(f, {'s': (R,)})(b)))
+    value, grad = jax.value_and_grad(h)(B)
+    assert_close(value, np.sum(R))
+    # The implicit derivative d/db sum(A^-1 b) does not depend on solve.
+    assert_close(grad, 1.0 / D)
+
+
+T = np.array([1.0, -1.0], np.float32)  # a tangent
+
+
+def _sum_of(f):
+  return lambda b: jnp.sum(f(b))
+
+
+TRANSFORMS = {
+    'grad_of_jit': lambda f: jax.grad(_sum_of(jax.jit(f))),
+    'grad_of_checkpoint': lambda f: jax.grad(jax.checkpoint(_sum_of(f))),
+    'grad_of_scan': lambda f: jax.grad(
+        lambda b: jnp.sum(
+            jax.lax.scan(lambda c, _: (f(c), None), b, None, length=1)[0]
+        )
+    ),
+    'jit_of_jvp': lambda f: jax.jit(lambda b: jax.jvp(f, (b,), (T,))[0]),
+    'linearize': lambda f: lambda b: jax.linearize(f, b)[1](T),
+    'hessian': lambda f: jax.hessian(lambda b: jnp.sum(f(b) ** 2)),
+}
+
+
+def _sowing_solves():
+  """(name, f, the value sown once per primal solve) for a sow in solve
+  (with and without symmetry) and in a matvec that solve calls."""
+  calls_matvec = lambda b: jax.lax.custom_linear_solve(
+      lambda x: sow(jnp.asarray(A) @ x, name='s'),
+      b,
+      lambda mv, b: b / jnp.asarray(D) + 0.0 * mv(b),
+      symmetric=True,
+  )
+  return (
+      ('transpose_solve', linear_solve(solve_sowing), B / D),
+      ('symmetric', linear_solve(solve_sowing, symmetric=True), B / D),
+      ('solve_calls_matvec', calls_matvec, A @ B),
+  )
+
+
+class OncePerPrimalSolveTest(parameterized.TestCase):
+  """One entry, with primal values, under every way JAX differentiates the
+  solve inside the capture: the tangent solve (a remat copy, from the
+  wrapped JVP rule) and its transpose (recognised by the rules) never
+  collect, nor do the copies of solve's sows in the other functions."""
+
+  @parameterized.named_parameters(
+      (f'{name}_{t}', f, want, t)
+      for name, f, want in _sowing_solves()
+      for t in sorted(TRANSFORMS)
+  )
+  def test_one_entry(self, f, want, transform):
+    out, collected = capture(TRANSFORMS[transform](f))(B)
+    plain_f = linear_solve(divide, symmetric=True)
+    assert_close(out, TRANSFORMS[transform](plain_f)(B))
+    if transform == 'grad_of_scan':  # one row per iteration
+      want = want[None]
+    if transform == 'hessian':  # jacfwd maps over the 2 basis tangents
+      want = np.stack([want, want])
+    assert_collected(self, collected, {'s': (want,)})
+
+
+class TransposedTest(parameterized.TestCase):
+  """``jax.linear_transpose`` of a function that calls
+  ``custom_linear_solve`` binds the solve with its functions swapped: it
+  solves with ``transpose_solve`` on cotangents and runs ``solve`` never, so
+  a sow of ``solve`` (or its copy in ``transpose_solve``) cannot be given a
+  value there: ``NotImplementedError`` naming the sow and the construct."""
+
+  pattern = (
+      r"sow 's' \(at .*test_linear_solve.py:\d+.*\) is inside a function"
+      r' of `lax.custom_linear_solve` that JAX runs transposed.*'
+      r'`jax.linear_transpose`.*Sow the inputs or the result'
+  )
+
+  @parameterized.named_parameters(
+      ('symmetric', True, lambda f: f),
+      ('symmetric_jit', True, jax.jit),
+      ('transpose_solve', False, lambda f: f),
+      ('transpose_solve_jit', False, jax.jit),
+  )
+  def test_raises(self, symmetric, transform):
+    f = linear_solve(solve_sowing, symmetric)
+    transposed = lambda ct: jax.linear_transpose(transform(f), B)(ct)[0]
+    # Outside a capture: JAX's transpose, A^-T ct (A is diagonal).
+    assert_close(transposed(B), B / D)
+    with self.assertRaisesRegex(NotImplementedError, self.pattern):
+      capture(transposed)(B)
+    with self.assertRaisesRegex(NotImplementedError, self.pattern):
+      capture(jax.jit(transposed))(B)
+    with self.assertRaisesRegex(NotImplementedError, self.pattern):
+      intervene(transposed, {'s': (R,)})(B)
+
+  def test_other_tags_are_left_alone(self):
+    f = linear_solve(
+        lambda _, b: sow(b / jnp.asarray(D), name='s', tag='other'),
+        symmetric=True,
+    )
+    transposed = lambda ct: jax.linear_transpose(f, B)(ct)[0]
+    out, collected = capture(transposed, tags=(None,))(B)
+    assert_close(out, B / D)
+    self.assertEqual(dict(collected), {})
+
+
 def by_hand(replacement):
   """The program with the sown value replaced by ``replacement``."""
   return linear_solve(lambda _, b: jnp.asarray(replacement) + 0.0 * b)

@@ -595,10 +595,14 @@ def _applied(how, f):
 
 
 class UnusedCheckpointTest(parameterized.TestCase):
-  """A ``jax.checkpoint`` whose inputs and outputs are unused, holding a sow,
-  inside another ``checkpoint`` under ``grad``: JAX's dead-code elimination
-  drops such a checkpoint even though its body has effects; the sow is still
-  collected once (found by the long generator run)."""
+  """A ``jax.checkpoint`` whose inputs and outputs are unused, holding a sow
+  of a constant (a documented limit, *Limitations* in
+  ``docs/how_it_works.md``). Inside another ``checkpoint`` under ``grad``,
+  JAX's dead-code elimination drops such a checkpoint even though its body
+  has effects, and the sow with it: the name is missing, never a wrong
+  value or a crash. Elsewhere (no enclosing ``checkpoint``, no
+  differentiation) it is collected once. The gradient is JAX's either
+  way."""
 
   @staticmethod
   def _loss(x, reduced=False):
@@ -629,16 +633,102 @@ class UnusedCheckpointTest(parameterized.TestCase):
           'jit_grad_of_checkpoint',
           lambda f: jax.jit(jax.grad(jax.checkpoint(f))),
       ),
-      ('grad', jax.grad),
+      (
+          'vmap_grad_of_checkpoint',
+          lambda f: jax.vmap(jax.grad(jax.checkpoint(f))),
+      ),
+      (
+          'value_and_grad_of_checkpoint',
+          lambda f: lambda x: jax.value_and_grad(jax.checkpoint(f))(x)[1],
+      ),
   )
-  def test_collected_once(self, transform):
+  def test_dropped_with_the_checkpoint(self, transform):
+    x = jnp.asarray(X)
+    expected_grad = np.cos(X)  # d/dx sum(sin(x))
+    if 'vmap' in self._testMethodName:
+      x, expected_grad = jnp.stack([x, -x]), np.stack([np.cos(X), np.cos(X)])
+    for reduced in (False, True):
+      loss = functools.partial(self._loss, reduced=reduced)
+      grad, collected = capture(transform(loss))(x)
+      np.testing.assert_allclose(grad, expected_grad, rtol=1e-6)
+      self.assertEqual(dict(collected), {})  # 'c' is missing
+
+  @parameterized.named_parameters(
+      ('eager', lambda f: f),
+      ('jit', jax.jit),
+      ('checkpoint', jax.checkpoint),
+      ('grad', jax.grad),
+      ('jit_grad', lambda f: jax.jit(jax.grad(f))),
+  )
+  def test_collected_once_elsewhere(self, transform):
     for reduced, want in ((False, (1.5,)), (True, 3.0)):  # 0 + 2 * 1.5
       loss = functools.partial(self._loss, reduced=reduced)
-      grad, collected = capture(transform(loss))(jnp.asarray(X))
-      np.testing.assert_allclose(grad, np.cos(X), rtol=1e-6)
+      _, collected = capture(transform(loss))(jnp.asarray(X))
       self.assertEqual(list(collected), ['c'])
       np.testing.assert_allclose(
           np.asarray(collected['c'], np.float32), np.asarray(want, np.float32)
+      )
+
+  def test_a_sow_that_reads_an_input_is_kept(self):
+    # The drop needs a body that reads none of the checkpoint's inputs.
+    def loss(x):
+      jax.checkpoint(lambda x: sow(2.0 * x, name='c'))(x)
+      return jnp.sum(jnp.sin(x))
+
+    grad, collected = capture(jax.grad(jax.checkpoint(loss)))(jnp.asarray(X))
+    np.testing.assert_allclose(grad, np.cos(X), rtol=1e-6)
+    self.assertEqual(list(collected), ['c'])
+    np.testing.assert_allclose(collected['c'][0], 2.0 * X, rtol=1e-6)
+
+  def test_a_checkpoint_whose_output_is_used_is_kept(self):
+    def loss(x):
+      def inner(x):
+        sow(jnp.float32(1.5), name='c')
+        return x
+
+      return jnp.sum(jnp.sin(jax.checkpoint(inner)(x)))
+
+    grad, collected = capture(jax.grad(jax.checkpoint(loss)))(jnp.asarray(X))
+    np.testing.assert_allclose(grad, np.cos(X), rtol=1e-6)
+    self.assertEqual(list(collected), ['c'])
+    np.testing.assert_allclose(collected['c'][0], 1.5)
+
+  def test_a_name_also_sown_elsewhere_keeps_the_other_sows(self):
+    # Documented: the dropped sow's entry (or its fold) is missing, the
+    # others stay.
+    def loss(x, reduced):
+      def sow_c(v):
+        if reduced:
+          sow(
+              v,
+              name='c',
+              reduce_fn=lambda a, b: a + 2.0 * b,
+              init_fn=lambda: 0.0,
+          )
+        else:
+          sow(jnp.float32(v), name='c')
+
+      def inner(x):
+        sow_c(1.5)
+        return x
+
+      sow_c(0.25)
+      jax.checkpoint(inner)(x)  # its output is unused
+      return jnp.sum(jnp.sin(x))
+
+    # reduced: 2 * 0.25, and + 2 * 1.5 where the checkpoint's sow runs
+    for reduced, full, kept in (
+        (False, (0.25, 1.5), (0.25,)),
+        (True, 3.5, 0.5),
+    ):
+      f = functools.partial(loss, reduced=reduced)
+      _, collected = capture(f)(jnp.asarray(X))
+      np.testing.assert_allclose(
+          np.asarray(collected['c'], np.float32), np.asarray(full, np.float32)
+      )
+      _, collected = capture(jax.grad(jax.checkpoint(f)))(jnp.asarray(X))
+      np.testing.assert_allclose(
+          np.asarray(collected['c'], np.float32), np.asarray(kept, np.float32)
       )
 
   def test_in_a_custom_vjp_whose_fwd_skips_the_primal(self):
@@ -651,10 +741,14 @@ class UnusedCheckpointTest(parameterized.TestCase):
 
     fn.defvjp(lambda x: (x, None), lambda _, g: (2.0 * g,))
     loss = lambda x: jnp.sum(fn(x))
-    for transform in (jax.grad, lambda f: jax.grad(jax.checkpoint(f))):
+    for transform, expected in (
+        (jax.grad, {'s': 1.5}),
+        # Inside another checkpoint: dropped with it (the limit above).
+        (lambda f: jax.grad(jax.checkpoint(f)), {}),
+    ):
       grad, collected = capture(transform(loss))(jnp.asarray(X))
       np.testing.assert_allclose(grad, 2.0 * np.ones(3), rtol=1e-6)
-      self.assertEqual(dict(collected), {'s': 1.5})
+      self.assertEqual(dict(collected), expected)
 
 
 class PerturbInWhileLoopTest(parameterized.TestCase):

@@ -248,17 +248,6 @@ INVENTORY: tuple[Patch, ...] = (
         _wrap_bind_with_trace(_jax.custom_vjp_call_p),
     ),
     Patch(  # PR: partial_eval
-        'remat_dce',
-        'pe.dce_rules[remat_p]',
-        'constructs/partial_eval.py',
-        'JAX drops a checkpoint whose inputs and outputs are all unused even'
-        ' when its body has effects; one that holds a collecting sow (a sow'
-        ' of a constant, inside another checkpoint under grad) must still'
-        ' run once.',
-        'Effects that opt out of that drop (as they opt out of DCE).',
-        _wrap_rule(_jax.dce_rules, _jax.remat_p),
-    ),
-    Patch(  # PR: partial_eval
         'scan_hoisting',
         'jax._src.lax.control_flow.loops._scan_known_hoisting',
         'constructs/partial_eval.py',
@@ -404,17 +393,6 @@ INVENTORY: tuple[Patch, ...] = (
         'A way for a JVP rule to mark the jaxprs it re-binds on tangents as'
         ' recomputations (or a per-effect hook in that rule).',
         _wrap_rule(_jax.primitive_jvps, _jax.linear_solve_p),
-    ),
-    Patch(  # PR: linear_solve
-        'linear_solve_bind',
-        'linear_solve_p.bind_with_trace',
-        'constructs/linear_solve.py',
-        'symmetric=True (or a solve that calls matvec) traces the sows of'
-        ' solve again into transpose_solve (or matvec), which never run on'
-        ' primal values; those copies are marked as such when the equation'
-        ' is bound, so an enclosing jit or loop sees each sow once.',
-        'A per-primitive hook saying which sub-jaxprs run on primal values.',
-        _wrap_bind_with_trace(_jax.linear_solve_p),
     ),
 )
 

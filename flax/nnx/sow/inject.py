@@ -58,6 +58,7 @@ from flax.nnx.sow.sites import as_jaxpr
 from flax.nnx.sow.collect import cached
 from flax.nnx.sow.collect import interpret
 from flax.nnx.sow.collect import no_rule_error
+from flax.nnx.sow.sites import counted_jaxprs  # PR: linear_solve
 from flax.nnx.sow.sites import sow_sites
 from flax.nnx.sow.capturing import stage
 from flax.nnx.sow.sites import where
@@ -215,6 +216,8 @@ class Injector:
       subs = list(_jax.jaxprs_in_params(p))
       if not subs or not self.has_work(subs):
         continue
+      if eqn.primitive in counted_jaxprs:  # PR: linear_solve
+        subs = counted_jaxprs[eqn.primitive](p)  # PR: linear_solve
       if eqn.primitive is _jax.cond_p:
         counts.update(self.branch_consumed(p['branches']))
       else:

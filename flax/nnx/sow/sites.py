@@ -80,6 +80,18 @@ sows gain (``constructs/shard_map.py``).
 """
 
 
+counted_jaxprs: dict[  # PR: linear_solve
+    _jax.Primitive, tp.Callable[[dict], list[_jax.Jaxpr]]
+] = {}
+"""For a primitive whose sub-jaxprs hold copies of one function's sows
+(``custom_linear_solve`` traces ``solve`` again as ``transpose_solve``):
+``counted(params)``, the sub-jaxprs that hold the sows an equation counts
+(default: all). :func:`sow_sites` gives those sows, and from the other
+sub-jaxprs the sows that are not copies of them (same name, same call
+site), for the primitive's rules to refuse; ``Injector.consumed`` counts
+the entries of the counted ones only."""
+
+
 # ----------------------------------------------------------------------------
 # Static analysis: which sows does a jaxpr hold?
 
@@ -145,13 +157,29 @@ def sow_sites(jaxpr: _jax.Jaxpr) -> tuple[SowSite, ...]:
         )
     else:
       annotate = site_annotations.get(eqn.primitive)
-      for sub in _jax.jaxprs_in_params(eqn.params):
-        for site in sow_sites(sub):
-          sites.append(site if annotate is None else annotate(eqn, site))
+      found = (
+          s for j in _jax.jaxprs_in_params(eqn.params) for s in sow_sites(j)
+      )
+      if eqn.primitive in counted_jaxprs:  # PR: linear_solve
+        found = _counted_sites(eqn)  # PR: linear_solve
+      for site in found:
+        sites.append(site if annotate is None else annotate(eqn, site))
   result = tuple(sites)
   with _sites_lock:
     _sites_cache[jaxpr] = result
   return result
+
+
+def _counted_sites(eqn: _jax.JaxprEqn) -> list[SowSite]:  # PR: linear_solve
+  """The sows of the sub-jaxprs ``eqn`` counts, then the sows of its other
+  sub-jaxprs that are not copies of those (see ``counted_jaxprs``)."""
+  counted = counted_jaxprs[eqn.primitive](eqn.params)
+  sites = [s for j in counted for s in sow_sites(j)]
+  seen = {(s.name, s.where) for s in sites}
+  for j in _jax.jaxprs_in_params(eqn.params):
+    if not any(j is c for c in counted):
+      sites.extend(s for s in sow_sites(j) if (s.name, s.where) not in seen)
+  return sites
 
 
 def as_jaxpr(j: _jax.Jaxpr | _jax.ClosedJaxpr) -> _jax.Jaxpr:

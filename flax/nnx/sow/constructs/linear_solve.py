@@ -39,7 +39,20 @@ transpose). Evaluating the primitive runs ``solve`` only; JAX runs
   primal values, so nothing can be collected from it. A sow there that is
   also in ``solve`` (``solve`` calls ``matvec``; ``symmetric=True`` traces
   ``solve`` again as ``transpose_solve``) is that copy and ignored; any
-  other raises ``NotImplementedError`` naming it.
+  other raises ``NotImplementedError`` naming it. The capture and intervene
+  rules decide this for each equation they rewrite, and
+  ``sites.counted_jaxprs`` tells the rules of the constructs around it
+  (a ``jit`` counting the entries its body consumes) that only the sows of
+  ``solve`` count, so each sow counts once.
+* JAX's transposition binds the solve with its functions swapped
+  (``jaxprs.transpose()``), so ``solve`` then holds the function traced as
+  ``transpose_solve``, run on cotangents. Each jaxpr records the function it
+  was traced for (``debug_info.traced_for``); an equation whose ``solve``
+  was traced as ``transpose_solve`` runs no sow on primal values, and a sow
+  a capture or intervene takes there (``jax.linear_transpose`` of a
+  function that calls ``custom_linear_solve``) raises
+  ``NotImplementedError`` naming it. Under ``grad`` the solve JAX
+  transposes is the tangent one, whose sows are remat copies (above).
 """
 
 from __future__ import annotations
@@ -57,14 +70,53 @@ from flax.nnx.sow.constructs.adapter import permuted
 from flax.nnx.sow.inject import intervene_rules
 from flax.nnx.sow.inject import one_body
 from flax.nnx.sow.sites import construct_names
-from flax.nnx.sow.sites import edit_sows_in_jaxpr
+from flax.nnx.sow.sites import counted_jaxprs
 from flax.nnx.sow.sites import holds_staged_sow
 from flax.nnx.sow.sites import sow_sites
-from flax.nnx.sow.sites import to_remat_copy
 from flax.nnx.sow.sites import without_staged_sows
 
 _NAME = '`lax.custom_linear_solve`'
 _OTHERS = ('matvec', 'vecmat', 'transpose_solve')
+# What JAX's ``custom_linear_solve`` records as the ``traced_for`` of the
+# jaxprs it traces for ``vecmat`` and ``transpose_solve``.
+_TRACED_AS_TRANSPOSE = 'custom_linear_solve transpose_solve'
+
+
+def _solve_runs(jaxprs) -> bool:
+  """Whether the ``solve`` of an equation is the function traced as
+  ``solve``, not the ``transpose_solve`` that JAX's transposition swaps in
+  (a jaxpr that records no ``traced_for`` is taken for its field's)."""
+  info = jaxprs.solve.jaxpr.debug_info
+  return getattr(info, 'traced_for', None) != _TRACED_AS_TRANSPOSE
+
+
+def _counted(params) -> list[_jax.Jaxpr]:
+  """The jaxpr traced as ``solve``, wherever the equation holds it
+  (``sites.counted_jaxprs``): its sows are the ones the equation counts; in a
+  transposed equation, for the rules to refuse."""
+  jaxprs = params['jaxprs']
+  if _solve_runs(jaxprs) or jaxprs.transpose_solve is None:
+    return [jaxprs.solve.jaxpr]
+  return [jaxprs.transpose_solve.jaxpr]
+
+
+def _check_transposed(jaxprs, takes) -> None:
+  """Raises for a sow ``takes`` accepts in an equation JAX transposed."""
+  if _solve_runs(jaxprs):
+    return
+  for closed in jaxprs:
+    if closed is None:
+      continue
+    for site in sow_sites(closed.jaxpr):
+      if takes(site):
+        raise NotImplementedError(
+            f'sow {site.name!r}{site.where} is inside a function of {_NAME}'
+            ' that JAX runs transposed here (`jax.linear_transpose` of a'
+            ' function that calls `custom_linear_solve`: it solves with'
+            ' `transpose_solve` on cotangents), never on the primal values,'
+            ' so a capture or intervene cannot give it a value. Sow the'
+            ' inputs or the result of `custom_linear_solve` outside it.'
+        )
 
 
 def _copies_in_solve(jaxprs):
@@ -90,40 +142,6 @@ def _check_other_functions(jaxprs, takes) -> None:
             ' inside `solve`, or sow the inputs or the result of'
             ' `custom_linear_solve` outside it.'
         )
-
-
-def _others_without_copies(jaxprs):
-  """``jaxprs`` with the sows outside ``solve`` that copy one in ``solve``
-  remat copies (identities no capture or intervene sees); others kept, for
-  the rules to raise on."""
-  staged = [
-      f
-      for f in _OTHERS
-      if getattr(jaxprs, f) is not None
-      and holds_staged_sow(getattr(jaxprs, f).jaxpr)
-  ]
-  if not staged:
-    return jaxprs
-  in_solve = _copies_in_solve(jaxprs)
-
-  def edit(params, in_custom_call):
-    site = (params['sow_name'], where_of.get(id(params)))
-    if site in in_solve:
-      return to_remat_copy(params, in_custom_call)
-    return None
-
-  changes = {}
-  for f in staged:
-    closed = getattr(jaxprs, f)
-    where_of = {id(s.eqn.params): s.where for s in sow_sites(closed.jaxpr)}
-    changes[f] = cached(
-        closed,
-        ('linear_solve_copies', jaxprs.solve.jaxpr),
-        lambda closed=closed: _jax.ClosedJaxpr(
-            edit_sows_in_jaxpr(closed.jaxpr, edit, False), closed.consts
-        ),
-    )
-  return jaxprs._replace(**changes)
 
 
 def _others_without_sows(jaxprs):
@@ -173,10 +191,9 @@ def _with_solve_consts(eqn, invals, before, after=(), **jaxprs):
 
 def _linear_solve_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
   jaxprs = eqn.params['jaxprs']
-  _check_other_functions(
-      jaxprs,
-      lambda s: collector.accepts(s.tag, s.reduction, s.kind, s.name),
-  )
+  takes = lambda s: collector.accepts(s.tag, s.reduction, s.kind, s.name)
+  _check_transposed(jaxprs, takes)
+  _check_other_functions(jaxprs, takes)
   new_solve, layout, acc_in = collector.prepare(jaxprs.solve)
   new_solve, consts = hoisted(new_solve)
   others = _others_without_sows(jaxprs)
@@ -203,7 +220,9 @@ def _linear_solve_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
 
 def _linear_solve_intervene(injector, eqn, invals):
   jaxprs = eqn.params['jaxprs']
-  _check_other_functions(jaxprs, lambda s: injector.targets(s.eqn.params))
+  takes = lambda s: injector.targets(s.eqn.params)
+  _check_transposed(jaxprs, takes)
+  _check_other_functions(jaxprs, takes)
   n_consts = eqn.params['const_lengths'].solve
   new, reps = one_body(injector, jaxprs.solve)
   new, consts = hoisted(new)
@@ -240,6 +259,9 @@ intervene_rules[_jax.linear_solve_p] = _linear_solve_intervene
 
 
 construct_names[_jax.linear_solve_p] = _NAME
+
+
+counted_jaxprs[_jax.linear_solve_p] = _counted
 
 
 # ----------------------------------------------------------------------------
@@ -288,21 +310,3 @@ def _linear_solve_jvp(original, primals, tangents, *, const_lengths, jaxprs):
 
 
 _jax_patches.register('linear_solve_jvp', _linear_solve_jvp)
-
-
-# ----------------------------------------------------------------------------
-# Bind: the copies of solve's sows that JAX traced into the other functions
-# (``symmetric=True``, a ``solve`` that calls ``matvec``) become remat copies
-# when the equation is bound, so that the enclosing constructs' rules (a
-# ``jit`` counting the entries its body consumes) see each sow once.
-
-
-def _linear_solve_bind(original, trace, args, avals, params):
-  jaxprs = params['jaxprs']
-  quiet = _others_without_copies(jaxprs)
-  if quiet is not jaxprs:
-    params = dict(params, jaxprs=quiet)
-  return original(trace, args, avals, params)
-
-
-_jax_patches.register('linear_solve_bind', _linear_solve_bind)

@@ -33,14 +33,17 @@ them. This file keeps each sow collected exactly once, where it runs:
   into the linear function); the staged copy's sows become remat copies
   (collected nowhere), so applying the linear function, once or many times,
   collects nothing more.
-* **An unused ``checkpoint``.** JAX drops a ``checkpoint`` whose inputs and
-  outputs are all unused even when its body has effects; one whose body
-  holds a collecting sow (a sow of a constant, inside another
-  ``checkpoint`` under ``grad``) is kept.
 
 Without this file (an earlier prefix of the series, ``docs/upstream.md``)
 such sows are collected as JAX leaves them: once for a loop-invariant sow,
-twice for a split ``while_loop``, never in an unused ``checkpoint``.
+twice for a split ``while_loop``.
+
+Not handled here (a documented limit, ``docs/how_it_works.md``): JAX's
+dead-code elimination drops a ``checkpoint`` whose inputs and outputs are all
+unused even when its body has effects (``remat_dce`` in
+``jax/_src/ad_checkpoint.py``), so a sow of a value computed from constants
+inside such a ``checkpoint``, nested in another ``checkpoint`` under
+differentiation, is removed with it: its entry is missing.
 """
 
 from __future__ import annotations
@@ -316,31 +319,3 @@ def _while_partial_eval(jax_rule, trace, *tracers, **params):
 
 
 _jax_patches.register('while_partial_eval', _while_partial_eval)
-
-
-# ----------------------------------------------------------------------------
-# An unused checkpoint that holds a collecting sow is kept.
-
-
-def _remat_dce(jax_rule, used_outputs, eqn):
-  """JAX's dead-code elimination of a ``checkpoint``, which drops one whose
-  inputs and outputs are all unused even when its body has effects; one whose
-  body holds a collecting sow is kept (with nothing it does not need)."""
-  used_inputs, new_eqn = jax_rule(used_outputs, eqn)
-  if new_eqn is not None or not holds_staged_sow(eqn.params['jaxpr']):
-    return used_inputs, new_eqn
-  jaxpr, used_inputs = _jax.dce_jaxpr(eqn.params['jaxpr'], used_outputs)
-  invars = [v for v, used in zip(eqn.invars, used_inputs) if used]
-  prevent_cse = eqn.params['prevent_cse']
-  if isinstance(prevent_cse, tuple):
-    prevent_cse = tuple(c for c, used in zip(prevent_cse, used_inputs) if used)
-  kept = eqn.replace(
-      invars=invars,
-      outvars=[v for v, used in zip(eqn.outvars, used_outputs) if used],
-      params=dict(eqn.params, jaxpr=jaxpr, prevent_cse=prevent_cse),
-      effects=_jax.eqn_effects(jaxpr, invars),
-  )
-  return used_inputs, kept
-
-
-_jax_patches.register('remat_dce', _remat_dce)

@@ -14,10 +14,11 @@
 
 """The top level of a capture: where the sows ``f`` binds are collected.
 
-Inside a transform, ``capture(f)(*args)`` runs ``f`` with a
-:class:`CaptureTrace` as JAX's current trace. The trace stands between ``f``
-and the trace the capture was called in, its *parent* (an enclosing ``jit``'s
-staging, ``grad``'s JVP, ``vmap``'s batching). It has no tracers of its own:
+``capture(f)(*args)`` runs ``f`` with a :class:`CaptureTrace` as JAX's
+current trace. The trace stands between ``f`` and the trace the capture was
+called in, its *parent* (an enclosing ``jit``'s staging, ``grad``'s JVP,
+``vmap``'s batching, or JAX's eval trace when the capture is called
+eagerly). It has no tracers of its own:
 every value ``f`` sees is the parent's, and every primitive ``f`` binds is
 handed to the parent as it is, except
 
@@ -29,15 +30,17 @@ handed to the parent as it is, except
   the primitive in ``collect_rules`` rewrites it;
 * a call that carries Python functions instead of jaxprs (``custom_jvp``,
   ``custom_vjp``, ``shard_map``, ``core.call``): it is staged alone the same
-  way first, to see whether its functions sow.
+  way first, to see whether its functions sow (eagerly, ``custom_jvp`` and
+  ``custom_vjp`` run their body under the trace instead, as JAX's eval
+  trace runs it).
 
-Called outside any transform, a capture installs no trace (see *eager
-captures* below): ``f`` runs on JAX's eval trace, where the same two
-exceptions are made by ``sow_p``'s implementation and the ``eager_calls``
-inventory entries. So eagerly ``f`` runs op by op as under plain JAX, C++
-dispatch included, and inside ``jax.jit`` each equation of ``f`` is staged
-once, into the caller's jaxpr: there is no second program to copy. The idea
-is oryx ``harvest``'s (a trace that reaps sows), kept to the top level;
+Called outside any transform, the parent is the eval trace, so ``f`` sees
+concrete values and runs op by op (see *eager captures* below); nothing of
+JAX's eager path is replaced. Inside ``jax.jit`` each equation of ``f`` is
+staged once, into the caller's jaxpr: there is no second program to copy.
+The trace claims no other trace's identity; NNX Variables see through it
+by the NNX layer's ``trace_state`` hook (:func:`opaque_trace_state`). The
+idea is oryx ``harvest``'s (a trace that reaps sows), kept to the top level;
 everything below it is the jaxpr rewrite.
 """
 

@@ -109,15 +109,12 @@ class CaptureTrace(_jax.Trace):
     self.collector = collector
     # Lowering of Hijax types happens where the parent wants it.
     self.requires_low = parent.requires_low
-    self.eager = _jax.is_eval_trace(parent) or (
-        isinstance(parent, CaptureTrace) and parent.eager
-    )
-    # What JAX shows as the current trace's identity (``jax.core.
-    # get_opaque_trace_state``) is the parent's: objects that record the
-    # trace they were made in, such as NNX Variables, may be updated by
-    # ``f`` exactly when they could be without the capture. (JAX's own
-    # "top level" test compares the trace object, so its eager fast paths
-    # still see a transform here.)
+    # Called outside any transform (the parent is the eval trace, or an
+    # eager capture's trace): values are concrete.
+    self.eager = _eager_parent(parent)
+    # The trace keeps its own identity: objects that record the trace they
+    # were made in (NNX Variables) look through it by
+    # :func:`opaque_trace_state`.
 
   def process_primitive(self, primitive, args, params, /):
     if primitive is sow_p:
@@ -317,13 +314,22 @@ def trace_and_collect(
   return out, collector.result()
 
 
+def _eager_parent(parent) -> bool:
+  """Whether a capture on ``parent`` is called outside any transform."""
+  return _jax.is_eval_trace(parent) or (
+      isinstance(parent, CaptureTrace) and parent.eager
+  )
+
+
 class _EagerTraces(threading.local):
   """One CaptureTrace per eager parent on this thread, reused by every eager
   capture on it: JAX keys its tracing caches by the current trace, so a
   trace made anew for each call would re-trace every ``jax.jit`` (and every
   jitted ``jax.numpy`` function) ``f`` calls, on every call."""
 
-  by_parent: dict
+  def __init__(self):
+    super().__init__()
+    self.by_parent: dict[int, CaptureTrace] = {}
 
 
 _EAGER_TRACES = _EagerTraces()
@@ -331,25 +337,25 @@ _EAGER_TRACES = _EagerTraces()
 
 def _call_on(parent, collector, f, args, kwargs):
   """``f(*args, **kwargs)`` with its sows collected, under a
-  :class:`CaptureTrace` on ``parent``."""
-  if _jax.is_eval_trace(parent) or getattr(parent, 'eager', False):
-    cache = _EAGER_TRACES.__dict__.setdefault('by_parent', {})
-    trace = cache.get(id(parent))
+  :class:`CaptureTrace` on ``parent`` (eagerly, the thread's one for that
+  parent, given ``collector`` for the call)."""
+  eager = _eager_parent(parent)
+  if eager:
+    trace = _EAGER_TRACES.by_parent.get(id(parent))
     if trace is None or trace.parent is not parent:
-      trace = cache[id(parent)] = CaptureTrace(parent, collector)
-    outer = trace.collector
-    trace.collector = collector
-    try:
-      with _jax.set_current_trace(trace):
-        return f(*args, **kwargs)
-    finally:
-      trace.collector = outer
-  trace = CaptureTrace(parent, collector)
+      trace = CaptureTrace(parent, collector)
+      _EAGER_TRACES.by_parent[id(parent)] = trace
+    outer, trace.collector = trace.collector, collector
+  else:
+    trace = CaptureTrace(parent, collector)
   try:
     with _jax.set_current_trace(trace):
       return f(*args, **kwargs)
   finally:
-    trace.invalidate()
+    if eager:
+      trace.collector = outer
+    else:
+      trace.invalidate()
 
 
 def opaque_trace_state() -> tp.Any:

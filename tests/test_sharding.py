@@ -1086,6 +1086,34 @@ class BadInputTest(absltest.TestCase):
         # (batch, device, row or step, 3)
         assert_collected(self, collected, {'v': (2 * XS.reshape(5, 8, 2, 3),)})
 
+  def test_cond_on_a_batched_predicate_inside_a_shard_map_body(self):
+    # A vmap inside the body over a cond whose predicate is per example
+    # (and per shard): the branch taken is selected per example. Expected
+    # by hand: the first branch doubles, the other negates.
+    def in_cond(x):
+      return jax.lax.cond(
+          x.sum() > 0,
+          lambda x: sow(x * 2, name='v'),
+          lambda x: sow(-x, name='v'),
+          x,
+      )
+
+    f = jax.shard_map(
+        jax.vmap(in_cond),
+        mesh=mesh_1d(),
+        in_specs=P(None, 'data'),
+        out_specs=P(None, 'data'),
+    )
+    local = XS.reshape(5, 8, 2, 3).transpose(1, 0, 2, 3)  # (device, batch)
+    taken = local.sum(axis=(2, 3), keepdims=True) > 0
+    expected = np.where(taken, 2 * local, -local)
+    for run in (capture(f), jax.jit(capture(f))):
+      out, collected = run(XS)
+      np.testing.assert_allclose(
+          out, expected.transpose(1, 0, 2, 3).reshape(5, 16, 3), rtol=1e-6
+      )
+      assert_collected(self, collected, {'v': (expected,)})
+
   def test_sow_in_a_mapped_construct_without_a_rule(self):
     @custom_partitioning
     def partitioned(x):

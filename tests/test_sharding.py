@@ -1086,6 +1086,133 @@ class BadInputTest(absltest.TestCase):
         # (batch, device, row or step, 3)
         assert_collected(self, collected, {'v': (2 * XS.reshape(5, 8, 2, 3),)})
 
+  def test_plain_sow_in_a_vmapped_shard_map_raises_on_every_route(self):
+    # The check reads the name stack of the shard_map (or of the call, loop
+    # or branch holding it) that the vmap staged: the same error whether
+    # the vmap is applied directly, inside a jit, around a jit or a pmap,
+    # under grad, or twice, and whether the capture is eager or jitted.
+    def body(x):
+      return sow(x * 2, name='v')
+
+    def scan_of_vmapped(xs):  # the vmap inside a scan body
+      return jax.lax.scan(
+          lambda c, x: (c, jax.vmap(over_data(body))(x)), 0.0, xs
+      )[1]
+
+    routes = {
+        'jit_around_vmap': (jax.jit(jax.vmap(over_data(body))), XS),
+        'vmap_around_jit': (jax.vmap(jax.jit(over_data(body))), XS),
+        'vmap_of_pmap': (jax.vmap(jax.pmap(body)), XS[:, :8]),
+        'vmap_of_vmap': (jax.vmap(jax.vmap(over_data(body))), XS[None]),
+        'vmap_of_grad': (
+            jax.vmap(jax.grad(lambda x: over_data(body)(x).sum())),
+            XS,
+        ),
+        'unbatched_predicate': (
+            jax.vmap(
+                lambda x: jax.lax.cond(
+                    True, over_data(body), over_data(body), x
+                )
+            ),
+            XS,
+        ),
+        'scan_of_vmapped': (scan_of_vmapped, XS[None]),
+    }
+    for route, (f, x) in routes.items():
+      for how, run in (('eager', capture(f)), ('jit', jax.jit(capture(f)))):
+        with self.subTest(route=route, how=how):
+          with self.assertRaisesRegex(
+              NotImplementedError,
+              r"sow 'v'.*`jax\.shard_map` \(or `jax\.pmap`\) that"
+              r' `jax\.vmap` maps over',
+          ):
+            run(x)
+
+  def test_vmap_around_the_capture_or_inside_the_body_is_collected(self):
+    # Only a vmap inside the capture and around the shard_map is refused:
+    # one around the capture (whose name stack the capture's equations
+    # carry too), one inside the body (its axis is the value's own, after
+    # the mesh axes), and one around a scan that holds the shard_map (the
+    # scan's sows are hoisted out of the batched scan, mapped axis first)
+    # are collected. Expected values by hand from XS (5 steps of 16 rows).
+    def body(x):
+      return sow(x * 2, name='v')
+
+    by_device = 2 * XS.reshape(5, 8, 2, 3).transpose(1, 0, 2, 3)
+    inner = jax.shard_map(
+        jax.vmap(body),
+        mesh=mesh_1d(),
+        in_specs=P(None, 'data'),
+        out_specs=P(None, 'data'),
+    )
+    inner_jit = jax.shard_map(
+        jax.vmap(jax.jit(body)),
+        mesh=mesh_1d(),
+        in_specs=P(None, 'data'),
+        out_specs=P(None, 'data'),
+    )
+    for f in (inner, inner_jit):
+      for run in (capture(f), jax.jit(capture(f))):
+        out, collected = run(XS)
+        np.testing.assert_allclose(out, 2 * XS, rtol=1e-6)
+        # (device, batch, row, 3)
+        assert_collected(self, collected, {'v': (by_device,)})
+    # Around the capture as well: (outer batch, device, batch, row, 3).
+    out, collected = jax.vmap(capture(inner))(np.stack([XS, -XS]))
+    assert_collected(
+        self, collected, {'v': (np.stack([by_device, -by_device]),)}
+    )
+    # A vmap around a scan whose body holds the shard_map: (batch, step,
+    # device, row, 3).
+    scanned = jax.vmap(
+        lambda x: jax.lax.scan(
+            lambda c, row: (c, over_data(body)(row)), 0.0, x[None]
+        )[1]
+    )
+    for run in (capture(scanned), jax.jit(capture(scanned))):
+      out, collected = run(XS)
+      assert_collected(
+          self, collected, {'v': (2 * XS.reshape(5, 1, 8, 2, 3),)}
+      )
+
+  def test_cond_on_a_batched_predicate_inside_a_shard_map_body(self):
+    # A vmap inside the body over a cond whose predicate is per example
+    # (and per shard): the branch taken is selected per example. Expected
+    # by hand: the first branch doubles, the other negates.
+    def in_cond(x):
+      return jax.lax.cond(
+          x.sum() > 0,
+          lambda x: sow(x * 2, name='v'),
+          lambda x: sow(-x, name='v'),
+          x,
+      )
+
+    f = jax.shard_map(
+        jax.vmap(in_cond),
+        mesh=mesh_1d(),
+        in_specs=P(None, 'data'),
+        out_specs=P(None, 'data'),
+    )
+    local = XS.reshape(5, 8, 2, 3).transpose(1, 0, 2, 3)  # (device, batch)
+    taken = local.sum(axis=(2, 3), keepdims=True) > 0
+    expected = np.where(taken, 2 * local, -local)
+    for run in (capture(f), jax.jit(capture(f))):
+      out, collected = run(XS)
+      np.testing.assert_allclose(
+          out, expected.transpose(1, 0, 2, 3).reshape(5, 16, 3), rtol=1e-6
+      )
+      assert_collected(self, collected, {'v': (expected,)})
+
+  def test_reduced_sow_in_a_vmapped_shard_map_is_collected(self):
+    # The error's last suggestion: a reduced sow folds every example into
+    # the accumulator of each shard, so its layout has no mapped axis.
+    f = jax.vmap(over_data(lambda x: (_reduced_total(x), x)[1]))
+    per_device = XS.reshape(5, 8, 2, 3).sum(axis=(0, 2, 3))
+    for run in (capture(f), jax.jit(capture(f))):
+      out, collected = run(XS)
+      np.testing.assert_allclose(out, XS)
+      assert_collected(self, collected, {'total': per_device}, rtol=1e-4)
+
   def test_sow_in_a_mapped_construct_without_a_rule(self):
     @custom_partitioning
     def partitioned(x):

@@ -158,6 +158,18 @@ user_context = source_info_util.user_context
 current_name_stack = source_info_util.current_name_stack
 
 
+def vmaps_in(name_stack) -> int:  # PR: shard_map
+  """How many ``jax.vmap`` transforms ``name_stack`` (an equation's, or
+  :func:`current_name_stack`) records: ``jax.vmap`` pushes one while it
+  traces its function, so every equation staged under it, also a batched
+  ``shard_map``, or the call, loop or branch holding one, records it."""
+  return sum(
+      1
+      for e in name_stack.stack
+      if isinstance(e, source_info_util.Transform) and e.name == 'vmap'
+  )
+
+
 def is_eval_trace(trace) -> bool:  # PR: toplevel
   """Whether ``trace`` is JAX's eval trace (no transform is tracing)."""
   return isinstance(trace, core.EvalTrace)

@@ -125,24 +125,6 @@ def _new_rule(registry: dict, primitive):  # PR: custom
   return _Target(apply, lambda: (registry.get(primitive),))
 
 
-def _stacked_rule(registry: dict, primitive, flag: str):  # PR: shard_map
-  """:func:`_wrap_rule` for a second wrapper on the same rule (``flag``
-  keeps it idempotent)."""
-
-  def apply(wrapper):
-    original = registry[primitive]
-    if getattr(original, flag, False):
-      return
-
-    def rule(*args, **kwargs):
-      return wrapper(original, *args, **kwargs)
-
-    setattr(rule, flag, True)
-    registry[primitive] = _marked(rule)
-
-  return _Target(apply, lambda: (registry.get(primitive),))
-
-
 def _wrap_bind_with_trace(primitive):  # PR: custom
   """``primitive.bind_with_trace`` (set on the primitive object)."""
 
@@ -343,35 +325,6 @@ INVENTORY: tuple[Patch, ...] = (
         " hoisted and the taken branch's value selected.",
         'As for scan_batching.',
         _wrap_rule(_jax.fancy_primitive_batchers, _jax.cond_p),
-    ),
-    Patch(  # PR: shard_map
-        'scan_batching_shard_map',
-        'batching.fancy_primitive_batchers[scan_p] (second wrapper)',
-        'constructs/shard_map.py',
-        'A plain sow in a shard_map that vmap maps over raises (its mapped'
-        ' axis would not come first).',
-        'As for scan_batching.',
-        _stacked_rule(
-            _jax.fancy_primitive_batchers, _jax.scan_p, '_sow_shard_map'
-        ),
-    ),
-    Patch(  # PR: shard_map
-        'cond_batching_shard_map',
-        'batching.fancy_primitive_batchers[cond_p] (second wrapper)',
-        'constructs/shard_map.py',
-        'As for scan_batching_shard_map.',
-        'As for scan_batching.',
-        _stacked_rule(
-            _jax.fancy_primitive_batchers, _jax.cond_p, '_sow_shard_map'
-        ),
-    ),
-    Patch(  # PR: shard_map
-        'batch_shard_map',
-        'batching.BatchTrace.process_shard_map',
-        'constructs/shard_map.py',
-        'Records which vmaps map over a shard_map, for the check above.',
-        'As for scan_batching.',
-        _wrap_attribute(_jax.batching.BatchTrace, 'process_shard_map'),
     ),
     Patch(  # PR: custom
         'custom_vmap_jvp',

@@ -116,11 +116,11 @@ def capture(
       shapes; an accumulator that changes type; one name with different
       reductions.
     NotImplementedError: a sow inside a construct with no capture rule (e.g.
-      ``xla_metadata_call``), a plain sow in a ``shard_map`` that
-      ``jax.vmap`` maps over, a reduced sow in a nested ``shard_map``; in a
-      ``custom_vmap`` function that a ``jax.vmap`` around the capture
-      batches, a reduced sow or a vmap rule that sows other names than the
-      function.
+      ``xla_metadata_call``), a plain sow in a ``shard_map`` that a
+      ``jax.vmap`` inside the capture maps over, a reduced sow in a nested
+      ``shard_map``; in a ``custom_vmap`` function that a ``jax.vmap``
+      around the capture batches, a reduced sow or a vmap rule that sows
+      other names than the function.
     TypeError: ``f`` is not callable, ``tags`` is not an iterable of
       hashables, ``names`` is not an iterable of names or a callable, or ``f`` calls an ahead-of-time compiled function
       (``jax.jit(g).lower(...).compile()``), which no capture can look into.

@@ -36,6 +36,8 @@ exactly as it was, so custom rules and compiled ``jit`` entries are kept.
 
 from __future__ import annotations
 
+import contextlib  # PR: shard_map
+import contextvars  # PR: shard_map
 import dataclasses
 import json  # PR: collected
 import threading
@@ -222,6 +224,9 @@ class Collector:
     # 'value' or 'cotangent' per name: one name, one meaning.
     self.meanings: dict[Name, str] = {}  # PR: perturb
     self.reduced = reduced_names[-1](self)
+    # At the top of a capture: the ``jax.vmap`` transforms in the name stack
+    # it was called in (see ``under_vmap``).
+    self.vmaps_outside = 0  # PR: shard_map
 
   # -- which sows this capture takes --------------------------------------
 
@@ -691,7 +696,8 @@ def interpret(jaxpr, consts, args, handler, rules, unsupported) -> list:
   env.update(zip(jaxpr.invars, args))
   for eqn in jaxpr.eqns:
     invals = [read(v) for v in eqn.invars]
-    with _jax.equation_context(eqn):
+    with _jax.equation_context(eqn) as context:
+      context.enter_context(_entering(eqn))  # PR: shard_map
       if eqn.primitive is sow_p:
         outs = handler.on_sow(eqn, invals)
       else:
@@ -705,6 +711,56 @@ def interpret(jaxpr, consts, args, handler, rules, unsupported) -> list:
           outs = _jax.bind_equation(eqn, invals)
     env.update(zip(eqn.outvars, outs))
   return [_jax.as_value(read(v)) for v in jaxpr.outvars]
+
+
+# ----------------------------------------------------------------------------
+# Which equations a ``jax.vmap`` applied inside the capture maps over.
+#
+# JAX stages an equation that ``jax.vmap`` batches (a batched ``shard_map``,
+# or the call, loop or branch that holds one) with a ``vmap`` transform in
+# its name stack, relative to the jaxpr that holds it; the jaxpr itself does
+# not show which axis the vmap added. ``constructs/shard_map.py`` reads this
+# to refuse a plain sow in a ``shard_map`` that such a vmap maps over. The
+# state is ``(mapped, vmaps_outside)``: whether an equation being
+# interpreted, or one holding it, records a vmap; and how many vmap
+# transforms the next equation records that are not the capture's own (the
+# top-level equations a capture stages carry the whole name stack it was
+# called in, which a ``jax.vmap`` around the capture is part of).
+_VMAPPED = contextvars.ContextVar(  # PR: shard_map
+    'flax_nnx_sow_vmapped', default=(False, 0)
+)
+
+
+def under_vmap() -> bool:  # PR: shard_map
+  """Whether the equation being interpreted is mapped over by a
+  ``jax.vmap`` that ``f`` applied inside the capture (not one around it)."""
+  return _VMAPPED.get()[0]
+
+
+def top_of_capture(collector: Collector):  # PR: shard_map
+  """The context in which a capture interprets the equations it staged
+  from ``f``'s binds, which carry the name stack the capture was called in
+  (``toplevel.py``)."""
+  return _setting((False, collector.vmaps_outside))
+
+
+def _entering(eqn):  # PR: shard_map
+  """The state while ``eqn`` (and what it holds) is interpreted."""
+  mapped, outside = state = _VMAPPED.get()
+  now = (mapped or _jax.vmaps_in(eqn.source_info.name_stack) > outside, 0)
+  return _UNCHANGED if now == state else _setting(now)
+
+
+_UNCHANGED = contextlib.nullcontext()  # PR: shard_map
+
+
+@contextlib.contextmanager
+def _setting(state):  # PR: shard_map
+  token = _VMAPPED.set(state)
+  try:
+    yield
+  finally:
+    _VMAPPED.reset(token)
 
 
 def no_rule_error(transform: str, eqn, sites) -> NotImplementedError:

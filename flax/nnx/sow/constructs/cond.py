@@ -330,6 +330,17 @@ def _cond_batcher(jax_rule, axis_data, args, dims, *, branches, **params):
   return _batched_predicate(jax_rule, axis_data, args, dims, branches, params)
 
 
+def _scalar_like(aval):
+  """The type of one example's index, where ``aval`` is the batched one's.
+
+  Inside a ``shard_map`` body an index that varies over manual mesh axes
+  keeps them (a type without sharding may not).
+  """
+  if aval.manual_axis_type.empty:
+    return aval.update(shape=(), sharding=None)
+  return aval.update(shape=(), sharding=aval.sharding.update(spec=()))
+
+
 def _batched_predicate(jax_rule, axis_data, args, dims, branches, params):
   """A batched predicate: vmap runs every branch for every example and
   selects.
@@ -341,7 +352,7 @@ def _batched_predicate(jax_rule, axis_data, args, dims, branches, params):
   """
   n_out = len(branches[0].out_avals)
   original = branches
-  index_aval = _jax.typeof(args[0]).update(shape=(), sharding=None)
+  index_aval = _scalar_like(_jax.typeof(args[0]))
   masked = masked_branches(branches, index_aval)
   if masked is not None:
     # The index enters every branch as a trailing operand.

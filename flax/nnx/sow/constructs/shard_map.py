@@ -40,9 +40,11 @@ name may not also be sown outside a ``shard_map``, nor in a ``shard_map``
 nested in another.
 
 ``jax.vmap`` of a ``shard_map`` batches its body, so a value sown there would
-come back with the mapped axis after the mesh axes: a plain sow so batched
-(directly, or hoisted out of a ``scan``/``cond`` by ``scan.py``/``cond.py``)
-raises while a capture stages it.
+come back with the mapped axis after the mesh axes: the rule raises for a
+plain sow it would collect in a ``shard_map`` that a ``jax.vmap`` inside the
+capture maps over (``collect.under_vmap``), also one hoisted out of a
+``scan``/``cond`` in the body (``batched.py``). A vmap around the capture, or
+inside the body, is collected.
 
 ``intervene``: a callable replacement is applied to each shard's value; an
 array replacement raises ``NotImplementedError`` (replace the value outside
@@ -52,13 +54,11 @@ the ``shard_map``).
 from __future__ import annotations
 
 import dataclasses
-import threading
 
 import jax
 from jax.sharding import PartitionSpec
 
 from flax.nnx.sow import _jax
-from flax.nnx.sow import _jax_patches
 from flax.nnx.sow import control as control_lib
 from flax.nnx.sow import reductions
 from flax.nnx.sow.accumulators import ReducedNames
@@ -68,15 +68,14 @@ from flax.nnx.sow.collect import Layout
 from flax.nnx.sow.collect import cached
 from flax.nnx.sow.collect import collect_rules
 from flax.nnx.sow.collect import eval_collecting
+from flax.nnx.sow.collect import under_vmap
 from flax.nnx.sow.inject import eval_intervening
 from flax.nnx.sow.inject import intervene_rules
 from flax.nnx.sow.primitive import MARKER_KINDS
-from flax.nnx.sow.primitive import sow_p
+from flax.nnx.sow.primitive import PLAIN_SOWS
 from flax.nnx.sow.primitive import staging_active
-from flax.nnx.sow.intervening import staging_captures
 from flax.nnx.sow.reductions import Accumulator
 from flax.nnx.sow.sites import SowSite
-from flax.nnx.sow.sites import accepts
 from flax.nnx.sow.sites import construct_names
 from flax.nnx.sow.sites import site_annotations
 from flax.nnx.sow.sites import sow_sites
@@ -162,6 +161,7 @@ def _shard_map_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
   p = eqn.params
   body = p['jaxpr']
   sites = collector.accepted_sites([body])
+  _refuse_vmapped(collector, sites)
   for site in sites:
     if site.reduction is not None and site.sharded is not None:
       raise NotImplementedError(
@@ -382,33 +382,30 @@ construct_names[_jax.shard_map_p] = '`jax.shard_map`'
 # ``jax.vmap`` of a ``shard_map``: JAX batches the body, so a value sown in
 # it would come back with the mapped axis after the mesh axes, unlike every
 # other vmapped sow. Until that is laid out mapped-axis-first, a plain sow
-# batched this way, in a program a capture is staging, raises.
+# there raises. The staged program does not say whether the vmap that
+# batched the body is around the ``shard_map`` or inside its body (both
+# stage the same equation), but the name stack of the ``shard_map``, or of
+# a call, loop or branch that holds it, records a vmap around it
+# (``collect.under_vmap``).
 
 
-class _Batching(threading.local):
-
-  def __init__(self):
-    super().__init__()
-    self.axes: list = []  # axis data of the vmaps batching a shard_map
-
-
-_batching = _Batching()
-
-
-def _batch_shard_map(original, trace, *args, **params):
-  _batching.axes.append(trace.axis_data)
-  try:
-    return original(trace, *args, **params)
-  finally:
-    _batching.axes.pop()
-
-
-def _batched_by_outer_vmap(axis_data) -> bool:
-  return any(
-      a is axis_data
-      or (a.name == axis_data.name and a.spmd_name == axis_data.spmd_name)
-      for a in _batching.axes
-  )
+def _refuse_vmapped(collector: Collector, sites) -> None:
+  """Raises for a plain sow this capture collects in a ``shard_map`` that a
+  ``jax.vmap`` inside the capture maps over."""
+  if collector.accepts_key is PLAIN_SOWS or not under_vmap():
+    # Hoisting (``batched.py``) runs while JAX batches a scan or cond, not
+    # in a capture's pass; what it hoists leaves the loop mapped axis first.
+    return
+  for site in sites:
+    # A sow the vmap batched has a batch dimension (its batching rule
+    # broadcasts an unbatched value); one in a call that JAX bound as it
+    # was, all its operands unbatched (a ``checkpoint``), has none.
+    if (
+        site.reduction is None
+        and site.kind not in MARKER_KINDS
+        and site.eqn.params['batch_dims']
+    ):
+      raise _vmap_error(site.name, site.where)
 
 
 def _vmap_error(name, where_='') -> NotImplementedError:
@@ -418,55 +415,11 @@ def _vmap_error(name, where_='') -> NotImplementedError:
       ' mapped axis would not come first). Move the vmap inside the'
       ' shard_map body, put it around the capture'
       ' (`jax.vmap(capture(f))`), sow the value after the shard_map returns'
-      ' it, or make it a reduced sow (reduce_fn/init_fn).'
+      ' it, or make it a reduced sow (reduce_fn/init_fn). Collecting it'
+      " mapped axis first needs JAX's shard_map batching rule to tell a"
+      " primitive's batching rule that its vmap maps over the shard_map from"
+      ' outside (docs/upstream.md).'
   )
-
-
-def _collected_now(tag, reduction, kind, name) -> bool:
-  """Whether a capture being staged collects a plain sow of ``tag`` and
-  ``name``."""
-  return (
-      reduction is None
-      and kind not in MARKER_KINDS
-      and any(accepts(key, tag, None, kind, name) for key in staging_captures())
-  )
-
-
-def _sow_batch(original, axis_data, leaves, dims, **params):
-  if (
-      _batching.axes
-      and params['effect']
-      and _collected_now(
-          params['tag'], params['reduction'], params['kind'], params['sow_name']
-      )
-      and _batched_by_outer_vmap(axis_data)
-  ):
-    raise _vmap_error(params['sow_name'])
-  return original(axis_data, leaves, dims, **params)
-
-
-def _loop_batch(original, axis_data, args, dims, **params):
-  """``scan``/``cond`` batching inside a vmapped ``shard_map`` body.
-
-  ``constructs/batched.py`` hoists the plain sows of a batched ``scan`` or
-  ``cond`` out of it and sows them again with batch dimensions, which the
-  sow's own batching rule (``_sow_batch``) never sees; such a sow raises
-  here.
-  """
-  if _batching.axes and _batched_by_outer_vmap(axis_data):
-    for sub in _jax.jaxprs_in_params(params):
-      for site in sow_sites(sub):
-        if site.eqn.params['effect'] and _collected_now(
-            site.tag, site.reduction, site.kind, site.name
-        ):
-          raise _vmap_error(site.name, site.where)
-  return original(axis_data, args, dims, **params)
-
-
-_jax_patches.register('batch_shard_map', _batch_shard_map)
-_jax.wrap_rule(_jax.fancy_primitive_batchers, sow_p, _sow_batch)
-_jax_patches.register('scan_batching_shard_map', _loop_batch)
-_jax_patches.register('cond_batching_shard_map', _loop_batch)
 
 
 def _shard_map_intervene(injector, eqn, invals):

@@ -41,6 +41,7 @@ import numpy as np
 import flax.nnx.sow  # noqa: F401  (installs the shims)
 from flax.nnx.sow import capture
 from flax.nnx.sow import intervene
+from flax.nnx.sow import loop_indices
 from flax.nnx.sow import sow
 from flax.nnx.sow.constructs.rows import loop_row
 
@@ -703,6 +704,17 @@ class LoopRowTest(parameterized.TestCase):
     np.testing.assert_allclose(
         intervene(f, {'y': lambda v: 2.0 * v})(self.W, self.XS),
         2.0 * expected,
+    )
+    # An array replacement is one more xs; a callable that asks for the
+    # iteration index gets it with the rows' xs in place.
+    np.testing.assert_allclose(
+        intervene(f, {'y': (jnp.ones((3, 2)),)})(self.W, self.XS),
+        jnp.full(2, 3.0),
+    )
+    skip_row_1 = lambda v: jnp.where(loop_indices()[0] == 1, 0.0, v)
+    np.testing.assert_allclose(
+        intervene(f, {'y': skip_row_1})(self.W, self.XS),
+        (self.W * self.XS[:, None])[jnp.array([0, 2])].sum(0),
     )
     out, collected = capture(f)(self.W, self.XS)
     np.testing.assert_allclose(out, expected)

@@ -39,6 +39,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import flax.nnx.sow  # noqa: F401  (installs the shims)
+from flax.nnx.sow import capture
+from flax.nnx.sow import intervene
+from flax.nnx.sow import loop_indices
+from flax.nnx.sow import sow
 from flax.nnx.sow.constructs.rows import loop_row
 
 PROGRAM = r'''
@@ -506,8 +510,10 @@ class UndecidedTest(absltest.TestCase):
 class LoopRowTest(parameterized.TestCase):
   """``loop_row``: the row of a stacked constant for the current iteration.
 
-  Expected values are the same loops with the stacked value passed as
-  ``xs`` (or mapped with ``in_axes=0``).
+  In a ``scan`` body it is a marker that the ``scan`` rule of a capture
+  rewrites into an extra ``xs``; without a capture around the loop it
+  raises. Expected values are the same loops with the stacked value passed
+  as ``xs`` (or mapped with ``in_axes=0``), without any capture.
   """
 
   W = jnp.arange(6.0).reshape(3, 2)
@@ -516,7 +522,7 @@ class LoopRowTest(parameterized.TestCase):
   @staticmethod
   def with_row(w, xs):
     def body(c, x):
-      row = loop_row(w, name='w')
+      row = loop_row(w, name='w', anchor=x)
       return c + row * x, row
 
     return jax.lax.scan(body, jnp.zeros(2), xs)
@@ -529,33 +535,191 @@ class LoopRowTest(parameterized.TestCase):
 
     return jax.lax.scan(body, jnp.zeros(2), (w, xs))
 
+  @staticmethod
+  def captured(f):
+    return lambda *a: capture(f)(*a)[0]
+
   @parameterized.parameters(False, True)
   def test_scan(self, jit):
     wrap = jax.jit if jit else (lambda f: f)
-    for got, expected in zip(
-        wrap(self.with_row)(self.W, self.XS), self.with_xs(self.W, self.XS)
+    expected = self.with_xs(self.W, self.XS)
+    for f in (
+        wrap(self.captured(self.with_row)),
+        self.captured(wrap(self.with_row)),
     ):
-      np.testing.assert_allclose(got, expected)
+      for got, want in zip(f(self.W, self.XS), expected):
+        np.testing.assert_allclose(got, want)
 
   @parameterized.parameters(False, True)
-  def test_grad_and_vmap_of_the_scan(self, jit):
+  def test_grad_and_vmap_of_the_captured_scan(self, jit):
+    # The capture rewrites the loop before grad and vmap see it.
     wrap = jax.jit if jit else (lambda f: f)
     loss = lambda f: lambda w: f(w, self.XS)[0].sum()
     np.testing.assert_allclose(
-        wrap(jax.grad(loss(self.with_row)))(self.W),
+        wrap(jax.grad(loss(self.captured(self.with_row))))(self.W),
         jax.grad(loss(self.with_xs))(self.W),
     )
     ws = jnp.stack([self.W, 2.0 * self.W])
     batched = lambda f: jax.vmap(lambda w: f(w, self.XS)[0])
     np.testing.assert_allclose(
-        wrap(batched(self.with_row))(ws), batched(self.with_xs)(ws)
+        wrap(batched(self.captured(self.with_row)))(ws),
+        batched(self.with_xs)(ws),
     )
+
+  @parameterized.parameters(False, True)
+  def test_vmap_inside_the_capture(self, jit):
+    # vmap batches the marker before the capture rewrites the loop: the row
+    # is taken along the axis the batch dimension moved the loop's axis to.
+    wrap = jax.jit if jit else (lambda f: f)
+    ws = jnp.stack([self.W, 2.0 * self.W])
+    for in_axes, ws_ in ((0, ws), (1, jnp.moveaxis(ws, 0, 1))):
+      batched = lambda f: jax.vmap(  # pylint: disable=cell-var-from-loop
+          lambda w: f(w, self.XS), in_axes=in_axes
+      )
+      got = self.captured(wrap(batched(self.with_row)))(ws_)
+      for g, want in zip(got, batched(self.with_xs)(ws_)):
+        np.testing.assert_allclose(g, want)
+    # The stacked value unbatched, the xs batched.
+    xss = jnp.stack([self.XS, -self.XS])
+    got = self.captured(jax.vmap(lambda xs: self.with_row(self.W, xs)))(xss)
+    want = jax.vmap(lambda xs: self.with_xs(self.W, xs))(xss)
+    for g, w in zip(got, want):
+      np.testing.assert_allclose(g, w)
+
+  @parameterized.parameters(False, True)
+  def test_grad_inside_the_capture_keeps_the_row_in_the_loop(self, jit):
+    # grad with respect to the xs only: the row reads a constant of the
+    # loop, which JAX's partial evaluation would hoist out of it.
+    wrap = jax.jit if jit else (lambda f: f)
+    loss = lambda f: lambda xs: (f(self.W, xs)[0] ** 2).sum()
+    got = self.captured(wrap(jax.grad(loss(self.with_row))))(self.XS)
+    np.testing.assert_allclose(got, jax.grad(loss(self.with_xs))(self.XS))
+    got = self.captured(jax.value_and_grad(loss(self.with_row)))(self.XS)
+    want = jax.value_and_grad(loss(self.with_xs))(self.XS)
+    for g, w in zip(got, want):
+      np.testing.assert_allclose(g, w)
+    f = jax.checkpoint(loss(self.with_row))
+    np.testing.assert_allclose(
+        self.captured(jax.grad(f))(self.XS),
+        jax.grad(loss(self.with_xs))(self.XS),
+    )
+
+  def test_forward_mode_inside_the_capture(self):
+    # The tangent's row is a second marker, on the tangent constant.
+    t = jnp.ones_like(self.W) * jnp.arange(3.0)[:, None]
+    jvp = lambda f: lambda w: jax.jvp(lambda w: f(w, self.XS), (w,), (t,))
+    for got, want in zip(
+        jax.tree.leaves(self.captured(jvp(self.with_row))(self.W)),
+        jax.tree.leaves(jvp(self.with_xs)(self.W)),
+    ):
+      np.testing.assert_allclose(got, want)
+    jac = lambda f: jax.jacfwd(lambda w: f(w, self.XS)[0])
+    np.testing.assert_allclose(
+        self.captured(jac(self.with_row))(self.W), jac(self.with_xs)(self.W)
+    )
+
+  def test_grad_inside_the_capture_wrt_the_stacked_value_raises(self):
+    loss = lambda w: self.with_row(w, self.XS)[0].sum()
+    with self.assertRaisesRegex(
+        NotImplementedError, "'w'.*transposed program.*outside the capture"
+    ):
+      self.captured(jax.grad(loss))(self.W)
+
+  def test_grad_inside_the_capture_without_an_anchor_raises(self):
+    # Without anchor=, the row reads only a constant of the loop: JAX's
+    # partial evaluation hoists it out of the loop, where it raises.
+    def with_row(w, xs):
+      def body(c, x):
+        return c + loop_row(w, name='w') * x, None
+
+      return jax.lax.scan(body, jnp.zeros(2), xs)[0]
+
+    loss = lambda xs: (with_row(self.W, xs) ** 2).sum()
+    np.testing.assert_allclose(  # without grad, no hoisting
+        self.captured(loss)(self.XS),
+        (self.with_xs(self.W, self.XS)[0] ** 2).sum(),
+    )
+    with self.assertRaisesRegex(
+        NotImplementedError, "'w'.*moved out of its loop.*anchor="
+    ):
+      self.captured(jax.grad(loss))(self.XS)
 
   def test_closure_over_an_enclosing_tracer(self):
     # The stacked value is a tracer of an enclosing jit, closed over.
-    f = jax.jit(lambda w: self.with_row(w * 2.0, self.XS)[0])
+    f = jax.jit(self.captured(lambda w: self.with_row(w * 2.0, self.XS)[0]))
     np.testing.assert_allclose(
         f(self.W), self.with_xs(2.0 * self.W, self.XS)[0]
+    )
+
+  def test_nested_scans(self):
+    # The inner loop's row of the outer loop's row.
+    ws = jnp.arange(24.0).reshape(4, 3, 2)
+
+    def with_rows(ws):
+      def outer(c, _):
+        w = loop_row(ws, name='ws')
+        return c + self.with_row(w, self.XS)[0], None
+
+      return jax.lax.scan(outer, jnp.zeros(2), None, length=4)[0]
+
+    def with_xs(ws):
+      def outer(c, w):
+        return c + self.with_xs(w, self.XS)[0], None
+
+      return jax.lax.scan(outer, jnp.zeros(2), ws)[0]
+
+    np.testing.assert_allclose(self.captured(with_rows)(ws), with_xs(ws))
+
+  def test_loop_inside_a_cond_and_a_while_loop(self):
+    w, xs = self.W, self.XS
+    cond = lambda f: lambda p: jax.lax.cond(
+        p, lambda: f(w, xs)[0], lambda: -f(w, xs)[0]
+    )
+    for p in (True, False):
+      np.testing.assert_allclose(
+          self.captured(cond(self.with_row))(p), cond(self.with_xs)(p)
+      )
+      np.testing.assert_allclose(
+          self.captured(jax.jit(cond(self.with_row)))(p),
+          cond(self.with_xs)(p),
+      )
+    loop = lambda f: lambda n: jax.lax.fori_loop(
+        0, n, lambda i, c: c + f(w, xs)[0], jnp.zeros(2)
+    )
+    np.testing.assert_allclose(
+        self.captured(loop(self.with_row))(jnp.int32(2)),
+        loop(self.with_xs)(jnp.int32(2)),
+    )
+
+  def test_intervene_rewrites_the_rows(self):
+    def f(w, xs):
+      def body(c, x):
+        y = sow(loop_row(w, name='w', anchor=x) * x, name='y')
+        return c + y, None
+
+      return jax.lax.scan(body, jnp.zeros(2), xs)[0]
+
+    expected = self.with_xs(self.W, self.XS)[0]
+    np.testing.assert_allclose(intervene(f, {})(self.W, self.XS), expected)
+    np.testing.assert_allclose(
+        intervene(f, {'y': lambda v: 2.0 * v})(self.W, self.XS),
+        2.0 * expected,
+    )
+    # An array replacement is one more xs; a callable that asks for the
+    # iteration index gets it with the rows' xs in place.
+    np.testing.assert_allclose(
+        intervene(f, {'y': (jnp.ones((3, 2)),)})(self.W, self.XS),
+        jnp.full(2, 3.0),
+    )
+    skip_row_1 = lambda v: jnp.where(loop_indices()[0] == 1, 0.0, v)
+    np.testing.assert_allclose(
+        intervene(f, {'y': skip_row_1})(self.W, self.XS),
+        (self.W * self.XS[:, None])[jnp.array([0, 2])].sum(0),
+    )
+    out, collected = capture(f)(self.W, self.XS)
+    np.testing.assert_allclose(out, expected)
+    np.testing.assert_allclose(
+        collected['y'][0], self.W * self.XS[:, None]
     )
 
   @parameterized.parameters(False, True)
@@ -572,9 +736,61 @@ class LoopRowTest(parameterized.TestCase):
     with self.assertRaisesRegex(NotImplementedError, "'w'.*outside any loop"):
       loop_row(self.W, name='w')
 
+  @parameterized.parameters(False, True)
+  def test_scan_without_a_capture_raises(self, jit):
+    # No capture rewrites the loop: the marker raises when it is lowered
+    # (eagerly, lax.scan compiles its loop too).
+    wrap = jax.jit if jit else (lambda f: f)
+    with self.assertRaisesRegex(
+        NotImplementedError, "'w'.*in a loop that no capture rewrote"
+    ):
+      wrap(self.with_row)(self.W, self.XS)
+
+  def test_row_of_a_value_computed_in_the_body_raises(self):
+    def f(xs):
+      def body(c, x):
+        return c + loop_row(jnp.stack([x, x]), name='v'), None
+
+      return jax.lax.scan(body, 0.0, xs)[0]
+
+    with self.assertRaisesRegex(
+        NotImplementedError, "'v'.*computed inside the loop body"
+    ):
+      self.captured(f)(jnp.ones(2))
+
   def test_wrong_length_raises(self):
     with self.assertRaisesRegex(ValueError, "'w'.*3 rows.*4 iterations"):
-      self.with_row(self.W, jnp.ones(4))
+      self.captured(self.with_row)(self.W, jnp.ones(4))
+
+
+class RowsUnderTransformsInsideTheCaptureTest(absltest.TestCase):
+  """``init=`` of a module ``nnx.scan`` slices, with ``nnx.grad`` (and
+  ``nnx.jit``) inside the capture, between the rows and the capture's
+  ``scan`` rule. By hand: layer 0 sums ``x * w0``, layer 1 sums
+  ``x * w0 * w1``; each starts from its row of ``init``."""
+
+  @staticmethod
+  def fwd(b, x):
+    return nnx.scan(
+        lambda b, x: b(x), in_axes=(0, nnx.Carry), out_axes=nnx.Carry
+    )(b, x)
+
+  def test_grad_inside_the_capture(self):
+    blocks = _stack(nnx.Rngs(0))
+    x = jnp.array([1.0, -2.0, 0.5])
+    w = np.asarray(blocks.w[...])
+    tot = np.array([(x * w[0]).sum(), (x * w[0] * w[1]).sum()])
+    _, st = nnx.capture(self.fwd, nnx.Intermediate)(blocks, x)
+    np.testing.assert_allclose(st['tot'][...], tot, rtol=1e-6)
+    init = jax.tree.map(lambda v: v + 10.0, st)
+
+    def g(b, x):
+      return nnx.grad(lambda b, x: self.fwd(b, x).sum(), argnums=1)(b, x)
+
+    for f in (g, nnx.jit(g)):
+      gx, st2 = nnx.capture(f, nnx.Intermediate, init=init)(blocks, x)
+      np.testing.assert_allclose(gx, w[0] * w[1], rtol=1e-6)
+      np.testing.assert_allclose(st2['tot'][...], tot + 10.0 + tot, rtol=1e-6)
 
 
 if __name__ == '__main__':

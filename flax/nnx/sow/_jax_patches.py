@@ -296,17 +296,6 @@ INVENTORY: tuple[Patch, ...] = (
         'As for while_remat_rule.',
         _wrap_rule(_jax.custom_partial_eval_rules, _jax.while_p),
     ),
-    Patch(  # PR: nnx_transforms
-        'scan_bind',
-        'scan_p.bind_with_trace',
-        'constructs/rows.py',
-        'A loop_row marker in a scan body (the row of a stacked constant for'
-        ' the current iteration) becomes an extra xs of the loop when it is'
-        ' bound, before any trace sees the equation.',
-        'A hook to add xs to a scan from inside its body (or an iteration'
-        ' index primitive).',
-        _wrap_bind_with_trace(_jax.scan_p),
-    ),
     Patch(  # PR: loops
         'scan_batching',
         'batching.fancy_primitive_batchers[scan_p]',

@@ -60,6 +60,7 @@ from flax.nnx.sow.sites import accepts
 from flax.nnx.sow.sites import as_jaxpr
 from flax.nnx.sow.sites import construct_name
 from flax.nnx.sow.sites import renamed  # PR: toplevel
+from flax.nnx.sow.sites import holds_markers  # PR: nnx_transforms
 from flax.nnx.sow.sites import sow_sites
 from flax.nnx.sow.sites import where
 
@@ -263,6 +264,8 @@ class Collector:
     ]
 
   def has_work(self, jaxprs) -> bool:
+    if any(holds_markers(as_jaxpr(j)) for j in jaxprs):  # PR: nnx_transforms
+      return True
     return any(
         self.accepts_site(s) for j in jaxprs for s in sow_sites(as_jaxpr(j))
     )
@@ -622,7 +625,12 @@ def edit_plain_sows(  # PR: toplevel
 
 
 def _accepted_inside(accepts_key, params) -> bool:  # PR: toplevel
-  """Whether a sub-jaxpr in ``params`` holds a sow the capture collects."""
+  """Whether a sub-jaxpr in ``params`` holds a sow the capture collects
+  (or a marker its rules rewrite)."""
+  if any(  # PR: nnx_transforms
+      holds_markers(sub) for sub in _jax.jaxprs_in_params(params)
+  ):
+    return True
   return any(
       s.collectible and accepts(accepts_key, s.tag, s.reduction, s.kind, s.name)
       for sub in _jax.jaxprs_in_params(params)

@@ -59,6 +59,7 @@ from flax.nnx.sow.collect import cached
 from flax.nnx.sow.collect import interpret
 from flax.nnx.sow.collect import no_rule_error
 from flax.nnx.sow.sites import counted_jaxprs  # PR: linear_solve
+from flax.nnx.sow.sites import holds_markers  # PR: nnx_transforms
 from flax.nnx.sow.sites import sow_sites
 from flax.nnx.sow.capturing import stage
 from flax.nnx.sow.sites import where
@@ -198,6 +199,8 @@ class Injector:
     )
 
   def has_work(self, jaxprs) -> bool:
+    if any(holds_markers(as_jaxpr(j)) for j in jaxprs):  # PR: nnx_transforms
+      return True
     return any(
         self.targets(s.eqn.params)
         for j in jaxprs

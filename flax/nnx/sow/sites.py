@@ -28,6 +28,8 @@
   identity no capture collects), for a second evaluation of a body whose
   sows already ran once (a rematerialised loop, a custom rule's body).
 * ``construct_names``: how errors name each higher-order primitive.
+* ``marker_primitives`` and :func:`holds_markers`: markers other than sows
+  that the rules rewrite (a construct holding one goes to its rule).
 """
 
 from __future__ import annotations
@@ -90,6 +92,12 @@ counted_jaxprs: dict[  # PR: linear_solve
 sub-jaxprs the sows that are not copies of them (same name, same call
 site), for the primitive's rules to refuse; ``Injector.consumed`` counts
 the entries of the counted ones only."""
+
+
+marker_primitives: set[_jax.Primitive] = set()  # PR: nnx_transforms
+"""Primitives of markers that a capture's or ``intervene``'s rule rewrites
+where they are, with or without sows near them (``constructs/rows.py``'s
+``loop_row``, which the ``scan`` rules turn into an extra ``xs``)."""
 
 
 # ----------------------------------------------------------------------------
@@ -168,6 +176,30 @@ def sow_sites(jaxpr: _jax.Jaxpr) -> tuple[SowSite, ...]:
   with _sites_lock:
     _sites_cache[jaxpr] = result
   return result
+
+
+_markers_cache: weakref.WeakKeyDictionary = (  # PR: nnx_transforms
+    weakref.WeakKeyDictionary()
+)
+
+
+def holds_markers(jaxpr: _jax.Jaxpr) -> bool:  # PR: nnx_transforms
+  """Whether ``jaxpr`` or a sub-jaxpr holds an equation of one of the
+  ``marker_primitives`` (cached)."""
+  if not marker_primitives:
+    return False
+  try:
+    return _markers_cache[jaxpr]
+  except KeyError:
+    pass
+  found = any(
+      eqn.primitive in marker_primitives
+      or any(holds_markers(j) for j in _jax.jaxprs_in_params(eqn.params))
+      for eqn in jaxpr.eqns
+  )
+  with _sites_lock:
+    _markers_cache[jaxpr] = found
+  return found
 
 
 def _counted_sites(eqn: _jax.JaxprEqn) -> list[SowSite]:  # PR: linear_solve

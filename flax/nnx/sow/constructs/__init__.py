@@ -32,7 +32,8 @@ construct that a later pull request brings sits in a file of its own.
   (loop-invariant hoisting, split ``while_loop``s, unused ``checkpoint``s).
 * ``shard_map.py``: ``shard_map`` and so ``pmap``.
 * ``rows.py``: ``loop_row``, the row of a stacked constant for the current
-  iteration of a ``scan`` or ``vmap``.
+  iteration of a ``scan`` (a marker the ``scan`` rules feed as an ``xs``) or
+  ``vmap``.
 * ``adapter.py``: the binders every rule adds (leading constants, trailing
   inputs and outputs); ``batched.py``: the half of the ``scan``/``cond``
   batching wrappers they share.

@@ -97,6 +97,9 @@ class Frame:
     in_axes: the transform's ``in_axes``.
     depth: how many frames run around it in the innermost capture.
     loop: the body's trace (``rows.current_loop``).
+    anchor: an input of an ``nnx.scan`` body that differs per iteration
+      (``rows.iteration_anchor``), which the rows read so that JAX's
+      partial evaluation keeps them in the loop; ``None`` for ``nnx.vmap``.
     copies: ``id(copy) -> (copy, source, shapes, root shapes)`` for the
       graph nodes Flax copied while the body ran; ``shapes`` are those of
       the arrays of the copy's and the source's Variables when Flax made the
@@ -109,6 +112,7 @@ class Frame:
   in_axes: tp.Any
   depth: int
   loop: tp.Any
+  anchor: tp.Any
   copies: dict[int, tuple[tp.Any, tp.Any, tp.Any, tp.Any]] = dataclasses.field(
       default_factory=dict
   )
@@ -123,7 +127,9 @@ class Frame:
   def row(self, key: tuple[Path, type], value):
     """``value``'s row for this iteration, taken once per frame."""
     if key not in self.rows:
-      self.rows[key] = rows.loop_row(value, name=key[0], loop=self.loop)
+      self.rows[key] = rows.loop_row(
+          value, name=key[0], loop=self.loop, anchor=self.anchor
+      )
     return self.rows[key]
 
 
@@ -305,9 +311,11 @@ def local_name(outer_name: Path, outer_tag) -> Path:
 def _run_body(kind: str, original, fn, args, kwargs):
   if not scope_lib.watching():
     return original(fn, *args, **kwargs)
+  loop = rows.current_loop()
   frame = Frame(
-      kind, getattr(fn, 'in_axes', None), len(LOCAL.frames),
-      rows.current_loop(),
+      kind, getattr(fn, 'in_axes', None), len(LOCAL.frames), loop,
+      rows.iteration_anchor((args, kwargs), loop) if kind == 'nnx.scan'
+      else None,
   )
   LOCAL.frames.append(frame)
   scope_lib.rekey()

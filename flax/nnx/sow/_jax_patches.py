@@ -228,25 +228,6 @@ INVENTORY: tuple[Patch, ...] = (
         'A way for a trace to refuse (or see) calls of compiled executables.',
         _Target(_guard_compiled_calls, _compiled_call_now),
     ),
-    Patch(  # PR: custom
-        'custom_jvp_bind',
-        'custom_jvp_call_p.bind_with_trace',
-        'constructs/custom.py',
-        'Under differentiation JAX runs the jvp rule instead of the primal'
-        ' body; the sows of a body the rule does not run are collected from'
-        ' the body.',
-        'A per-primitive hook run before a differentiating trace applies a'
-        ' custom rule.',
-        _wrap_bind_with_trace(_jax.custom_jvp_call_p),
-    ),
-    Patch(  # PR: custom
-        'custom_vjp_bind',
-        'custom_vjp_call_p.bind_with_trace',
-        'constructs/custom.py',
-        'As for custom_jvp, with the fwd rule.',
-        'As for custom_jvp.',
-        _wrap_bind_with_trace(_jax.custom_vjp_call_p),
-    ),
     Patch(  # PR: partial_eval
         'scan_hoisting',
         'jax._src.lax.control_flow.loops._scan_known_hoisting',

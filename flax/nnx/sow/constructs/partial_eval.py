@@ -102,8 +102,7 @@ def _keeping_sows_in_loops(rule, loop_part=0):
       out = rule(*args, **kwargs)
     finally:
       _HOISTING.depth -= 1
-    if staging_active():  # else no capture or intervene reads these sows
-      _check_nothing_hoisted(args[0], out[loop_part])
+    _check_nothing_hoisted(args[0], out[loop_part])  # PR: custom
     return out
 
   return wrapped
@@ -122,6 +121,8 @@ def _check_nothing_hoisted(body, loop) -> None:  # PR: custom
   Raises:
     NotImplementedError: naming the sow and the construct.
   """
+  if not staging_active():  # no capture or intervene reads these sows
+    return
   sites = [s for s in sow_sites(body.jaxpr) if s.collectible]
   if not sites:
     return

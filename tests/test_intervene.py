@@ -1265,8 +1265,11 @@ class CaptureOfInterveneUnderVmapTest(parameterized.TestCase):
     assert_close(grad, jax.grad(by_hand)(_BX))
 
   def test_custom_rule_that_skips_the_primal(self):
-    # Under grad, the body of this custom_jvp is evaluated only to collect
-    # what its rule does not sow; its split sows count as sown values.
+    # Under grad inside the capture/intervene, JAX runs this custom_jvp's
+    # rule, not its body: its sows do not run (a missing name for capture,
+    # an error naming custom_jvp for intervene). With grad around intervene,
+    # intervene's rule evaluates the replaced body for the primal output,
+    # so its split sows count as sown values.
     def make(fn):
       @jax.custom_jvp
       def g(xs):
@@ -1291,13 +1294,19 @@ class CaptureOfInterveneUnderVmapTest(parameterized.TestCase):
     hs = np.asarray(hs, np.float32)  # (batch, steps)
     expected_grad = np.ones_like(_BX)  # the rule's tangent
     plain = make(lambda v: v)
+    self._check(
+        capture(jax.grad(make(_FN)))(_BX), expected_grad, {}
+    )  # the replacement by hand: the body does not run
     for g in (
-        capture(jax.grad(make(_FN))),  # the replacement by hand
         capture(intervene(jax.grad(plain), {'c': _FN})),
-        capture(jax.grad(intervene(plain, {'c': _FN}))),
         intervene(capture(jax.grad(plain)), {'c': _FN}),
     ):
-      self._check(g(_BX), expected_grad, {'c': (hs,)})
+      with self.assertRaisesRegex(
+          ValueError, r"named 'c'.*`jax.custom_jvp`/`jax.custom_vjp`"
+      ):
+        g(_BX)
+    g = capture(jax.grad(intervene(plain, {'c': _FN})))
+    self._check(g(_BX), expected_grad, {'c': (hs,)})
 
   def test_array_replacement_in_a_vmapped_loop_raises(self):
     f = _vmapped_loop('scan')

@@ -733,10 +733,11 @@ class CustomVjpRuleThroughTheBodyTest(absltest.TestCase):
 
 class RuleSkipsTheBodyTest(parameterized.TestCase):
   """A custom_jvp/custom_vjp whose rule does not call the sowing body,
-  differentiated inside the intervened function: the call's value is the
-  rule's, which a replacement of the body's sow cannot reach, so intervene
-  raises (it returned the unreplaced value, silently). Around intervene the
-  replacement holds."""
+  differentiated inside the intervened function: JAX runs the rule, not the
+  body, so no sow of that name runs and intervene's name check raises,
+  naming custom_jvp/custom_vjp as the likely cause (returning the
+  unreplaced value would be silent). Around intervene the replacement
+  holds."""
 
   @staticmethod
   def _programs():
@@ -758,9 +759,23 @@ class RuleSkipsTheBodyTest(parameterized.TestCase):
     for values in ({'s': lambda v: v * 0.0 + 2.0}, {'s': (jnp.float32(2.0),)}):
       for wrap in (lambda h: h, jax.jit):
         with self.assertRaisesRegex(
-            NotImplementedError, r"sow 's'.*custom_(jvp|vjp)"
+            ValueError,
+            r"no sow .* is named 's'.*`jax.custom_jvp`/`jax.custom_vjp`.*"
+            r'does not run when its jvp/fwd rule does not call',
         ):
           intervene(wrap(jax.value_and_grad(fn)), values)(0.5)
+
+  @parameterized.parameters('custom_jvp', 'custom_vjp')
+  def test_name_also_sown_elsewhere_counts_the_entries(self, kind):
+    # With entries, the sow that does not run is one entry too many.
+    fn = self._programs()[kind]
+    h = lambda x: sow(fn(x), name='s') * 1.0
+    with self.assertRaisesRegex(
+        ValueError,
+        r"values\['s'\] has 2 entries, but the program sows 's' 1 times"
+        r'.*`jax.custom_jvp`/`jax.custom_vjp`',
+    ):
+      intervene(jax.value_and_grad(h), {'s': (0.25, 2.0)})(0.5)
 
   @parameterized.parameters('custom_jvp', 'custom_vjp')
   def test_around_intervene_and_other_names_are_exact(self, kind):

@@ -146,7 +146,7 @@ FEATURES = (
     'cvmap',  # jax.custom_batching.custom_vmap (in a custom_vjp)
     'pyloop',  # Python for-loops (inline lambdas close over the index)
     'batched_cond',  # cond on a batched predicate inside vmap
-    'skip_primal',  # custom_jvp/custom_vjp rules that never call the primal
+    'skip_primal',  # (no longer drawn: see _ad_kinds)
     'linearize',  # jax.linearize inside, its linear map applied 0-2 times
     'backward',  # jax.vjp inside, its pullback applied 0-2 times
     'meaning',  # invalid: one name both sown and perturbed
@@ -1045,9 +1045,10 @@ VJP_COTANGENTS = (1.0, -0.5)
 
 
 def _ad_kinds(ctx):
+  # 'cjvp_skip'/'cvjp_skip' are no longer drawn: JAX runs such a rule, not
+  # the body, so the body's sows are missing under differentiation by
+  # design (docs/how_it_works.md, Limitations; test_semantics covers it).
   kinds = []
-  if _on('skip_primal'):
-    kinds += ['cjvp_skip', 'cvjp_skip']
   if _on('linearize'):
     kinds += ['lin']
   if _on('backward'):

@@ -325,38 +325,6 @@ def reset_stores(fun: lu.WrappedFun) -> None:  # PR: toplevel
     s.reset()
 
 
-@contextlib.contextmanager
-def stores_set_aside(fun: lu.WrappedFun):  # PR: custom
-  """Empties ``fun``'s auxiliary outputs while the block runs (so that it
-  can be called again) and puts back what they held."""
-  stores = _stores(fun)
-  held = [s._val for s in stores]  # pylint: disable=protected-access
-  for s in stores:
-    s.reset()
-  try:
-    yield
-  finally:
-    for s, v in zip(stores, held):
-      s._val = v  # pylint: disable=protected-access
-
-
-def wrapped_like(  # PR: custom
-    fn: tp.Callable, fun: lu.WrappedFun
-) -> lu.WrappedFun:
-  """``fn`` as a ``lu.WrappedFun`` with ``fun``'s debug information."""
-  return lu.wrap_init(fn, debug_info=fun.debug_info)
-
-
-def tangent_dependent_part(  # PR: custom
-    closed: ClosedJaxpr, n_primals: int
-) -> Jaxpr:
-  """The equations of ``closed`` (primals, then tangents) that read a
-  tangent, as JAX's partial evaluation splits them off."""
-  unknowns = [False] * n_primals + [True] * (len(closed.in_avals) - n_primals)
-  _, unknown, _, _ = pe.partial_eval_jaxpr_nounits(closed, unknowns, False)
-  return unknown.jaxpr
-
-
 def trace_to_closed_jaxpr(
     fn: tp.Callable, in_avals: tp.Sequence[tp.Any], name: str
 ) -> ClosedJaxpr:
@@ -504,51 +472,6 @@ def edit_jaxpr(  # PR: toplevel
   )
 
 
-def is_partial_eval(trace) -> bool:  # PR: custom
-  """Whether ``trace`` is the ``JaxprTrace`` of JAX's partial evaluation
-  (splitting a program into what runs now and what is staged)."""
-  return isinstance(trace, pe.JaxprTrace)
-
-
-def is_known(trace, x) -> bool:  # PR: custom
-  """Whether ``x`` is a known value under the partial evaluation ``trace``."""
-  return trace.to_jaxpr_tracer(x).is_known()
-
-
-def stage_as_unknown(  # PR: custom
-    trace, closed: ClosedJaxpr, args
-) -> list[tp.Any]:
-  """``closed``'s equations staged, as they are, into the partial evaluation
-  ``trace`` on ``args``: all unknown (none runs now), each effectful one kept
-  whether or not its outputs are used, as ``JaxprTrace`` keeps a primitive's.
-  """
-  env: dict[Var, tp.Any] = {}
-
-  def unknown(x):
-    return trace.instantiate_const(trace.to_jaxpr_tracer(x))
-
-  def read(v):
-    if isinstance(v, core.Literal):
-      return trace.new_instantiated_literal(v.val)
-    return env[v]
-
-  env.update(zip(closed.jaxpr.constvars, map(unknown, closed.consts)))
-  env.update(zip(closed.jaxpr.invars, map(unknown, args)))
-  for eqn in closed.jaxpr.eqns:
-    outs = _staged(
-        trace,
-        [read(v) for v in eqn.invars],
-        [v.aval for v in eqn.outvars],
-        eqn.primitive,
-        eqn.params,
-        eqn.effects,
-        eqn.source_info,
-        eqn.ctx,
-    )
-    env.update(zip(eqn.outvars, outs))
-  return [read(v) for v in closed.jaxpr.outvars]
-
-
 def _staged(  # PR: partial_eval
     trace, ins, out_avals, primitive, params, effs, source, ctx=None
 ):
@@ -591,21 +514,6 @@ def stage_unknown(  # PR: partial_eval
   )
   source = source_info_util.current()
   return _staged(trace, tracers, out_avals, primitive, params, effs, source)
-
-
-def is_differentiating(trace) -> bool:  # PR: custom
-  """Whether ``trace`` is a forward-mode or linearizing trace of JAX's AD."""
-  return isinstance(trace, (ad.JVPTrace, ad.LinearizeTrace))
-
-
-def primal_of(trace, x) -> tp.Any:  # PR: custom
-  """The primal value of ``x`` under the differentiating ``trace``."""
-  return trace.to_primal_tangent_pair(x)[0]
-
-
-def has_tangent(trace, x) -> bool:  # PR: custom
-  """Whether ``x`` has a non-zero (symbolic or not) tangent under ``trace``."""
-  return type(trace.to_primal_tangent_pair(x)[1]) is not Zero
 
 
 def enclosing_batch_trace(axis_size: int) -> tp.Any:  # PR: custom

@@ -125,24 +125,6 @@ def _new_rule(registry: dict, primitive):  # PR: custom
   return _Target(apply, lambda: (registry.get(primitive),))
 
 
-def _wrap_bind_with_trace(primitive):  # PR: custom
-  """``primitive.bind_with_trace`` (set on the primitive object)."""
-
-  def apply(wrapper):
-    original = primitive.bind_with_trace
-    if _is_marked(original):
-      return
-
-    def bind_with_trace(trace, args, avals, params, /):
-      return wrapper(original, trace, args, avals, params)
-
-    primitive.bind_with_trace = _marked(bind_with_trace)
-
-  # JAX's own is the class's method (an attribute of the primitive object
-  # only once patched).
-  return _Target(apply, lambda: (vars(primitive).get('bind_with_trace'),))
-
-
 def _scan_hoisting_now():  # PR: partial_eval
   return (_jax.lax_control_flow.loops._scan_known_hoisting,)  # pylint: disable=protected-access
 
@@ -209,25 +191,6 @@ INVENTORY: tuple[Patch, ...] = (
         ' a capture instead.',
         'A way for a trace to refuse (or see) calls of compiled executables.',
         _Target(_guard_compiled_calls, _compiled_call_now),
-    ),
-    Patch(  # PR: custom
-        'custom_jvp_bind',
-        'custom_jvp_call_p.bind_with_trace',
-        'constructs/custom.py',
-        'Under differentiation JAX runs the jvp rule instead of the primal'
-        ' body; the sows of a body the rule does not run are collected from'
-        ' the body.',
-        'A per-primitive hook run before a differentiating trace applies a'
-        ' custom rule.',
-        _wrap_bind_with_trace(_jax.custom_jvp_call_p),
-    ),
-    Patch(  # PR: custom
-        'custom_vjp_bind',
-        'custom_vjp_call_p.bind_with_trace',
-        'constructs/custom.py',
-        'As for custom_jvp, with the fwd rule.',
-        'As for custom_jvp.',
-        _wrap_bind_with_trace(_jax.custom_vjp_call_p),
     ),
     Patch(  # PR: partial_eval
         'scan_hoisting',

@@ -137,6 +137,21 @@ _TYPE_RULE = (
 )
 
 
+# A sow in the body of a custom-derivative function that ``f`` differentiates
+# does not run when the function's rule does not call it: JAX runs the rule
+# instead, so no equation of the staged program holds that sow, and nothing
+# can replace it (its replacement would silently not apply). A name that
+# reaches fewer sows than it names is refused above; this says why.
+_SKIPPED_BODY_HINT = (
+    ' (A sow in the body of a `jax.custom_jvp`/`jax.custom_vjp` function'
+    ' that f differentiates does not run when its jvp/fwd rule does not call'
+    ' the function: JAX runs the rule instead. Differentiate outside'
+    ' intervene, jax.grad(intervene(f, values)), or call the function in its'
+    ' rule. A JAX hook run before a differentiating trace applies a custom'
+    ' rule would let intervene reach it.)'
+)
+
+
 class Injector:
   """Evaluates one scope of the program with its sows replaced.
 
@@ -342,6 +357,7 @@ class Injector:
           ' strict=False to ignore names the program does not sow. (A sow'
           ' that a capture inside f collects is gone before intervene sees'
           ' it: write capture(intervene(g, values)) instead.)'
+          f'{_SKIPPED_BODY_HINT}'
       )
 
   def _sown_names(self, jaxpr: _jax.Jaxpr) -> list[Name]:
@@ -360,6 +376,7 @@ class Injector:
             ' per sow executed at top level, one stacked entry per sow site'
             ' inside a loop, as capture returns them). Pass a tuple of that'
             ' length, or strict=False.'
+            f'{_SKIPPED_BODY_HINT}'
         )
 
 

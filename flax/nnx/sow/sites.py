@@ -47,7 +47,6 @@ from flax.nnx.sow.primitive import PLAIN_SOWS  # PR: loops
 from flax.nnx.sow.primitive import Selection  # pylint: disable=unused-import
 from flax.nnx.sow.primitive import accepts
 from flax.nnx.sow.primitive import tags_of  # pylint: disable=unused-import
-from flax.nnx.sow.primitive import VALUE_KINDS  # PR: custom
 from flax.nnx.sow.primitive import sow_effect  # PR: toplevel
 from flax.nnx.sow.primitive import sow_p
 
@@ -139,8 +138,10 @@ class SowSite:
 
 
 def where(eqn: _jax.JaxprEqn) -> str:
-  """`` (at file:line)`` of the user's call that staged ``eqn``."""
-  return f' (at {_jax.summarize_source(eqn.source_info)})'
+  """`` (at file:line)`` of the user's call that staged ``eqn`` (empty where
+  JAX recorded none, as in a jaxpr its partial evaluation re-traces)."""
+  summary = _jax.summarize_source(eqn.source_info)
+  return f' (at {summary})' if summary else ''
 
 
 _sites_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -252,25 +253,6 @@ def without_staged_sows(  # PR: partial_eval
   if not holds_staged_sow(closed.jaxpr):
     return closed
   return _jax.ClosedJaxpr(as_remat_copies(closed.jaxpr), closed.consts)
-
-
-def without_value_sows_named(  # PR: custom
-    closed: _jax.ClosedJaxpr, names: frozenset
-) -> _jax.ClosedJaxpr:
-  """``closed`` with its staged value sows of ``names`` remat copies (for an
-  evaluation whose sows of those names are collected elsewhere)."""
-  if not names:
-    return closed
-
-  def edit(params, in_custom_call):
-    del in_custom_call
-    if params['kind'] in VALUE_KINDS and params['sow_name'] in names:
-      return to_remat_copy(params, False)
-    return None
-
-  return _jax.ClosedJaxpr(
-      edit_sows_in_jaxpr(closed.jaxpr, edit, False), closed.consts
-  )
 
 
 def as_remat_copies(jaxpr: _jax.Jaxpr) -> _jax.Jaxpr:  # PR: partial_eval

@@ -22,19 +22,22 @@ What a sow inside does:
   the primal values. The call is re-bound with the rewritten body; its JVP
   or fwd/bwd rule is wrapped so that it never collects the body's sows a
   second time (:func:`_without_repeated_sows`).
-* Under differentiation, a rule that does not call the primal (the JVP or
-  ``fwd`` computes the value itself): while a capture stages, the
-  differentiated call stages its body and its rule; the names only the body
-  sows are collected by evaluating the body once on the primal values, the
-  names the rule sows come from the rule (``custom_jvp_bind`` and
-  ``custom_vjp_bind`` in the patch inventory). Elsewhere JAX's own path.
+* Under differentiation inside the captured function, JAX runs the JVP or
+  ``fwd`` rule, not the body: what the rule sows is collected (a rule that
+  calls the function runs its sows), and a sow only the body runs is not
+  collected there (a missing name, never a wrong value: see
+  ``docs/how_it_works.md``, Limitations). ``intervene`` of such a sow finds
+  no sow of that name to replace and raises (``Injector.check_sites``).
 * In a loop body under differentiation, where scan's partial evaluation
-  moves loop-invariant work out of the loop: a custom call (or
-  ``remat_opt``) on loop-invariant values whose body sows stays in the loop,
-  rule included, so its sows still give one value per iteration.
+  moves loop-invariant work out of the loop: a ``remat_opt`` on
+  loop-invariant values whose forward pass sows stays in the loop; a
+  ``custom_jvp``/``custom_vjp`` call there is moved out by JAX's own rules,
+  and ``constructs/partial_eval.py`` raises rather than collect one value
+  for the whole loop.
 * ``custom_vjp(optimize_remat=True)`` (``remat_opt``): the forward rule's
-  primal outputs carry the sows. A forward rule that skips the primal under
-  AD raises ``NotImplementedError`` naming the sow.
+  primal outputs carry the sows. One whose forward rule skips the primal
+  under AD sows nothing, unless JAX runs the function in its place (its
+  residuals unused): then the function's sows are collected, once.
 * ``custom_vmap``: the primal body's sows; under ``vmap``, the rule's.
 """
 
@@ -64,7 +67,6 @@ from flax.nnx.sow.inject import intervene_rules
 from flax.nnx.sow.inject import one_body
 from flax.nnx.sow.inject import one_scope
 from flax.nnx.sow import intervening  # pylint: disable=unused-import
-from flax.nnx.sow.intervening import replacing
 from flax.nnx.sow.primitive import VALUE_KINDS
 from flax.nnx.sow.primitive import last_sow_bound
 from flax.nnx.sow.primitive import sow_p
@@ -75,7 +77,6 @@ from flax.nnx.sow.sites import construct_names
 from flax.nnx.sow.sites import holds_staged_sow
 from flax.nnx.sow.sites import sow_sites
 from flax.nnx.sow.sites import without_staged_sows
-from flax.nnx.sow.sites import without_value_sows_named
 
 # ----------------------------------------------------------------------------
 # custom_jvp and custom_vjp: the user's rule usually runs the primal function
@@ -928,215 +929,3 @@ intervene_rules[_jax.custom_vmap_p] = _custom_vmap_intervene
 
 
 construct_names[_jax.custom_vmap_p] = '`jax.custom_batching.custom_vmap`'
-
-
-# ----------------------------------------------------------------------------
-# A differentiated custom call whose rule does not run the primal body
-# (``custom_jvp_bind``/``custom_vjp_bind`` in the patch inventory): while a
-# capture stages, the names only the body sows are collected by evaluating
-# the body once on the primal values.
-
-
-def _value_sow_names(closed: _jax.ClosedJaxpr) -> frozenset:
-  return frozenset(
-      s.name for s in sow_sites(closed.jaxpr) if s.kind in VALUE_KINDS
-  )
-
-
-def _holds_remat_opt(jaxpr: _jax.Jaxpr) -> bool:
-  return any(
-      eqn.primitive is _jax.remat_opt_p
-      or any(_holds_remat_opt(j) for j in _jax.jaxprs_in_params(eqn.params))
-      for eqn in jaxpr.eqns
-  )
-
-
-def _staged(call, fun, avals, name) -> _jax.ClosedJaxpr:
-  """``call`` (which calls the ``lu.WrappedFun`` ``fun``) staged at
-  ``avals``; the auxiliary outputs ``fun`` records are forgotten, so that
-  JAX can call it again."""
-  closed = _jax.trace_to_closed_jaxpr(call, avals, name)
-  _jax.reset_stores(fun)
-  return closed
-
-
-def _staged_rule(primitive, trace, args, params) -> _jax.ClosedJaxpr:
-  """The rule the differentiating ``trace`` will run, staged as it calls it:
-  ``jvp`` on primals and (instantiated) tangents, ``fwd`` on primals with
-  flags saying which of them have tangents."""
-  pairs = [trace.to_primal_tangent_pair(x) for x in args]
-  avals = [_jax.typeof(p) for p, _ in pairs]
-  rule = params['subfuns'][1]
-  if primitive is _jax.custom_jvp_call_p:
-    tangents = [a.to_tangent_aval() for a in avals]
-    return _staged(rule.call_wrapped, rule, [*avals, *tangents], 'custom_jvp')
-  flags = [type(t) is not _jax.Zero for _, t in pairs]
-
-  def fwd(*primals):
-    return rule.call_wrapped(
-        *[v for p, nz in zip(primals, flags) for v in (p, nz)]
-    )
-
-  return _staged(fwd, rule, avals, 'custom_vjp_fwd')
-
-
-def _refusing_tangent_sows(trace, args, params):
-  """``params`` with a ``custom_jvp`` rule that raises if it sows a value
-  computed from the tangents.
-
-  A sow collects primal values; one of a tangent would be collected once
-  under ``jax.jvp``, once per application of a ``jax.linearize``'s linear
-  function and never under ``jax.grad`` (the tangent is transposed away),
-  so it is refused. Only a rule that binds a sow while it runs is staged
-  again to find what its sows read.
-  """
-  fun, jvp = params['subfuns']
-
-  def run(*xs):
-    before = sows_bound()
-    outs = jvp.call_wrapped(*xs)
-    if sows_bound() != before:
-      with _jax.stores_set_aside(jvp):
-        rule = _staged_rule(_jax.custom_jvp_call_p, trace, args, params)
-      tangent_part = _jax.tangent_dependent_part(rule, len(args))
-      sites = [
-          s
-          for s in sow_sites(tangent_part)
-          if s.kind in VALUE_KINDS and s.collectible
-      ]
-      if sites:
-        raise ValueError(
-            f'sow {sites[0].name!r}{sites[0].where}: a `jax.custom_jvp`'
-            ' rule sows a value computed from the tangents. A sow collects'
-            ' primal values (a tangent would be collected under `jax.jvp`'
-            ' but not under `jax.grad`). Sow the primal value in the'
-            ' function, or use `perturb` on it to collect its cotangent.'
-        )
-    return outs
-
-  return dict(params, subfuns=(fun, _jax.wrapped_like(run, jvp)))
-
-
-def _refuse_replaced_in_skipped_body(primitive, body, skipped) -> None:
-  """Raises where an ``intervene`` staging now replaces a sow of the body
-  that the rule does not run (``skipped`` names): the differentiated call's
-  output is the rule's, so the replacement could not reach it.
-
-  Raises:
-    NotImplementedError: naming the sow and the construct.
-  """
-  for s in sow_sites(body.jaxpr):
-    if s.name in skipped and s.kind in VALUE_KINDS and s.collectible:
-      if replacing(s.eqn.params) is not None:
-        what = construct_names.get(primitive, f'`{primitive.name}`')
-        raise NotImplementedError(
-            f'intervene: sow {s.name!r}{s.where} is in the body of a'
-            f' {what} function that is differentiated inside the'
-            ' intervened function, with a rule that does not call the'
-            " body: the call's value is then the rule's, which the"
-            ' replacement cannot reach. Differentiate outside intervene'
-            ' (jax.grad(intervene(f, values))), or call the function in'
-            ' its rule.'
-        )
-
-
-def _differentiated_custom_call(
-    primitive, original, trace, args, avals, params, /
-):
-  if not (staging_active() and _jax.is_differentiating(trace)):
-    return original(trace, args, avals, params)
-  if not any(_jax.has_tangent(trace, x) for x in args):
-    return original(trace, args, avals, params)  # the rule does not run
-  # What JAX calls; the body and the rule are staged from ``params``.
-  called = params
-  if primitive is _jax.custom_jvp_call_p:
-    called = _refusing_tangent_sows(trace, args, params)
-  fun = params['subfuns'][0]
-  primals = [_jax.primal_of(trace, x) for x in args]
-  with _jax.set_current_trace(trace.parent_trace):
-    body = _staged(
-        fun.call_wrapped, fun, [_jax.typeof(x) for x in primals], 'primal'
-    )
-    names = _value_sow_names(body)
-    if names:
-      rule = _staged_rule(primitive, trace, args, params)
-      in_rule = _value_sow_names(rule)
-  if not names or names <= in_rule:
-    return original(trace, args, avals, called)
-  _refuse_replaced_in_skipped_body(primitive, body, names - in_rule)
-  if _holds_remat_opt(rule.jaxpr):
-    # custom_vjp(optimize_remat=True): JAX may run the primal function in
-    # place of fwd (when its residuals are unused), with the body's sows, so
-    # neither collecting them here nor leaving them collects them once.
-    missing = sorted(map(repr, names - in_rule))
-    raise NotImplementedError(
-        f'sow {", ".join(missing)}: a capture cannot collect the sows of a'
-        ' `jax.custom_vjp` function defined with optimize_remat=True whose'
-        ' fwd rule does not call the function, under differentiation: JAX'
-        ' may run the function in place of fwd, or not. Call the function'
-        ' in fwd (fwd = lambda x: (f(x), residuals)), or drop'
-        ' optimize_remat=True.'
-    )
-  # The rule does not run (all of) the body: collect what it misses from the
-  # body itself, once, with the primal values.
-  body = without_value_sows_named(body, in_rule)
-  with _jax.set_current_trace(trace.parent_trace):
-    _jax.eval_into_current_trace(body.jaxpr, body.consts, primals)
-  return original(trace, args, avals, called)
-
-
-# ----------------------------------------------------------------------------
-# A custom call with loop-invariant inputs while scan's partial evaluation
-# (under ``grad``, ``linearize``, ``checkpoint``) moves loop-invariant work
-# out of the loop (``constructs/partial_eval.py``): JAX's ``JaxprTrace``
-# binds a call whose inputs are all known where the known part runs, outside
-# the loop, so the sows of its body would give one value for the whole loop,
-# not one per iteration. While a capture stages, such a call whose body
-# holds a staged sow is staged as it is, rule included, into the part that
-# stays in the loop, and kept there by its effect (as a loop-invariant sow
-# is). A call that reads the carry or ``xs`` stays in the loop already
-# (partial_eval.py keeps it when its outputs are unused).
-
-
-def _hoisted_custom_call(primitive, original, trace, args, avals, params, /):
-  del primitive
-  if not all(_jax.is_known(trace, x) for x in args):
-    return original(trace, args, avals, params)
-  fun = params['subfuns'][0]
-  in_avals = [_jax.arg_type(trace.to_jaxpr_tracer(x)) for x in args]
-
-  def call(*xs):
-    return original(_jax.trace_ctx.trace, xs, avals, params)
-
-  # The call as a staged program holds it (its body and its rule); the
-  # auxiliary outputs of ``fun`` that tracing writes are those its caller
-  # reads.
-  closed = _jax.trace_to_closed_jaxpr(call, in_avals, 'custom_call')
-  if not holds_staged_sow(closed.jaxpr):
-    _jax.reset_stores(fun)  # JAX's path calls it again
-    return original(trace, args, avals, params)
-  return _jax.stage_as_unknown(trace, closed, args)
-
-
-def _custom_call_bind(primitive, original, trace, args, avals, params, /):
-  if (
-      staging_active()
-      and hoisting_loop_invariants()
-      and _jax.is_partial_eval(trace)
-  ):
-    return _hoisted_custom_call(primitive, original, trace, args, avals, params)
-  return _differentiated_custom_call(
-      primitive, original, trace, args, avals, params
-  )
-
-
-_jax_patches.register(
-    'custom_jvp_bind',
-    functools.partial(_custom_call_bind, _jax.custom_jvp_call_p),
-)
-
-
-_jax_patches.register(
-    'custom_vjp_bind',
-    functools.partial(_custom_call_bind, _jax.custom_vjp_call_p),
-)

@@ -22,12 +22,15 @@ them. This file keeps each sow collected exactly once, where it runs:
   moves work that reads only the loop's constants out of the loop. While it
   does (``hoisting_loop_invariants``), a staged sow counts as
   loop-dependent: it stays in the loop with its (hoisted) operands, so it
-  still runs once per iteration at any depth (a ``jit``, a ``custom_jvp`` or
-  a ``cond`` in the body), while its consumers read the operands, so
-  invariant work is still hoisted. An equation that holds a staged sow (a
-  call, ``custom_vjp_call``, ``cond`` staged in the loop) is kept there also
-  when its outputs are unused, as JAX keeps an effectful primitive but not
-  such a call.
+  still runs once per iteration at any depth (a ``jit`` or a ``cond`` in
+  the body), while its consumers read the operands, so invariant work is
+  still hoisted. An equation that holds a staged sow (a call,
+  ``custom_vjp_call``, ``cond`` staged in the loop) is kept there also when
+  its outputs are unused, as JAX keeps an effectful primitive but not such
+  a call. A ``custom_jvp``/``custom_vjp`` call on loop-invariant values is
+  hoisted whole by JAX's own rules for them, which no rule here sees: the
+  hoisting is checked afterwards, and a staged sow it moved out of the loop
+  raises ``NotImplementedError`` naming it.
 * **A ``while_loop`` under ``checkpoint`` or ``linearize``.** JAX keeps the
   known loop and stages the whole loop again (for the recomputation, or
   into the linear function); the staged copy's sows become remat copies
@@ -57,6 +60,7 @@ from flax.nnx.sow.primitive import HIDDEN
 from flax.nnx.sow.intervening import replacing
 from flax.nnx.sow.primitive import sow_effect
 from flax.nnx.sow.primitive import sow_p
+from flax.nnx.sow.primitive import staging_active  # PR: custom
 from flax.nnx.sow.sites import edit_sows
 from flax.nnx.sow.sites import holds_staged_sow
 from flax.nnx.sow.sites import remat_copy_eqn
@@ -78,22 +82,69 @@ _HOISTING = _Hoisting()
 def hoisting_loop_invariants() -> bool:
   """Whether scan's partial evaluation is moving loop-invariant work out of
   a loop now: what a partial evaluation finds known is then computed once,
-  outside the loop (``constructs/custom.py`` keeps a custom call whose body
-  sows in the loop, as :func:`_sow_partial_eval` keeps a sow)."""
+  outside the loop (:func:`_sow_partial_eval` keeps a sow in the loop; a
+  ``custom_jvp``/``custom_vjp`` call moved out raises, see
+  :func:`_check_nothing_hoisted`)."""
   return bool(_HOISTING.depth)
 
 
-def _keeping_sows_in_loops(rule):
-  """``rule`` run with staged sows kept in the loop (see the module doc)."""
+def _keeping_sows_in_loops(rule, loop_part=0):
+  """``rule`` run with staged sows kept in the loop (see the module doc).
+
+  ``rule`` takes the loop body first and returns, at ``loop_part``, the body
+  that stays in the loop; every staged sow of the one must be in the other
+  (:func:`_check_nothing_hoisted`).
+  """
 
   def wrapped(*args, **kwargs):
     _HOISTING.depth += 1
     try:
-      return rule(*args, **kwargs)
+      out = rule(*args, **kwargs)
     finally:
       _HOISTING.depth -= 1
+    _check_nothing_hoisted(args[0], out[loop_part])  # PR: custom
+    return out
 
   return wrapped
+
+
+def _check_nothing_hoisted(body, loop) -> None:  # PR: custom
+  """Raises if a staged sow of the loop ``body`` is not in the part that
+  stays in the loop, ``loop``.
+
+  JAX's partial evaluation computes a ``custom_jvp`` or ``custom_vjp`` call
+  whose inputs are all known where the known part runs (``JaxprTrace``'s
+  rules for them, which no rule of this package sees): in the hoisting,
+  outside the loop, so each of its sows would give one value where the
+  capture's layout has one per iteration.
+
+  Raises:
+    NotImplementedError: naming the sow and the construct.
+  """
+  if not staging_active():  # no capture or intervene reads these sows
+    return
+  sites = [s for s in sow_sites(body.jaxpr) if s.collectible]
+  if not sites:
+    return
+  kept = collections.Counter(
+      s.name for s in sow_sites(loop.jaxpr) if s.collectible
+  )
+  for site in sites:
+    if kept[site.name] <= 0:
+      raise NotImplementedError(
+          f'sow {site.name!r}{site.where}: it is in a `jax.custom_jvp` or'
+          ' `jax.custom_vjp` function inside a `lax.scan` body that'
+          ' jax.grad, jax.vjp, jax.linearize or jax.checkpoint splits, and'
+          ' the function reads only values that do not change in the loop:'
+          ' JAX computes such a call once, outside the loop, so the sow'
+          ' would give one value where the capture collects one per'
+          ' iteration. Give the call an input that changes in the loop'
+          ' (pass the value as xs, one row per iteration), or sow outside'
+          ' the custom-derivative function. (JAX could keep such a call in'
+          ' the loop if its partial evaluation let an effect opt out of'
+          ' loop-invariant hoisting for custom calls.)'
+      )
+    kept[site.name] -= 1
 
 
 def _sow_partial_eval(trace, *tracers, **params):
@@ -136,7 +187,8 @@ def _in_scan_remat_rule(rule, *args, **kwargs):
 def _partial_eval_nounits(function, *args, **kwargs):
   # Inside scan's checkpoint rule, this is its loop-invariant hoisting.
   if _SCAN_REMAT.depth and not _HOISTING.depth:
-    return _keeping_sows_in_loops(function)(*args, **kwargs)
+    # The unknown part (the second jaxpr) stays in the loop.
+    return _keeping_sows_in_loops(function, loop_part=1)(*args, **kwargs)
   return function(*args, **kwargs)
 
 

@@ -301,10 +301,10 @@ _jax_patches.register('while_remat_rule', _while_partial_eval_custom)
 # loop's sows become remat copies.
 
 
-def _known_body(tracers, params) -> _jax.ClosedJaxpr | None:
-  """The body of the known loop JAX's rule runs (the carries that do not
-  depend on unknown inputs, with a known predicate), or ``None`` if it runs
-  none."""
+def _known_loop(tracers, params):
+  """The known part of the loop JAX's rule runs: ``(known cond, known body,
+  carry_uk)``, the body returning only the known carries; ``None`` where it
+  runs none (every input known or unknown, or an unknown predicate)."""
   unknowns = [not t.pval.is_known() for t in tracers]
   if all(unknowns) or not any(unknowns):
     return None
@@ -318,10 +318,16 @@ def _known_body(tracers, params) -> _jax.ClosedJaxpr | None:
     if out_uk == carry_uk:
       break
     carry_uk = [a or b for a, b in zip(carry_uk, out_uk)]
-  *_, [pred_uk], _ = _jax.partial_eval_jaxpr_nounits(
+  cond_known, _, [pred_uk], _ = _jax.partial_eval_jaxpr_nounits(
       params['cond_jaxpr'], cond_uk + carry_uk, instantiate=False
   )
-  return None if pred_uk else known
+  if pred_uk:
+    return None
+  n_known = len(carry_uk) - sum(carry_uk)
+  known = known.replace(
+      jaxpr=known.jaxpr.replace(outvars=known.jaxpr.outvars[:n_known])
+  )
+  return cond_known, known, carry_uk
 
 
 def _staged_sow_names(jaxpr: _jax.Jaxpr) -> collections.Counter:
@@ -335,10 +341,11 @@ def _while_partial_eval(jax_rule, trace, *tracers, **params):
   body = params['body_jaxpr']
   if not holds_staged_sow(body.jaxpr):
     return jax_rule(trace, *tracers, **params)
-  known = _known_body(tracers, params)
-  if known is None:
+  split = _known_loop(tracers, params)
+  if split is None:
     return jax_rule(trace, *tracers, **params)
-  in_known = _staged_sow_names(known.jaxpr)
+  cond_known, body_known, carry_uk = split
+  in_known = _staged_sow_names(body_known.jaxpr)
   if not in_known:
     # The sows read unknown carries (or scan's hoisting keeps them in the
     # loop): only the staged loop runs them.
@@ -352,22 +359,35 @@ def _while_partial_eval(jax_rule, trace, *tracers, **params):
         ' unknown ones, so the capture cannot collect each once. Sow values'
         ' that depend on the same carries, or sow after the loop.'
     )
-  default = trace.default_process_primitive
-
-  def staged_copy(primitive, tracers_, params_):
-    if primitive is _jax.while_p:
-      params_ = dict(
-          params_,
-          body_jaxpr=without_staged_sows(params_['body_jaxpr']),
-          cond_jaxpr=without_staged_sows(params_['cond_jaxpr']),
-      )
-    return default(primitive, tracers_, params_)
-
-  trace.default_process_primitive = staged_copy
-  try:
-    return jax_rule(trace, *tracers, **params)
-  finally:
-    del trace.default_process_primitive
+  # JAX's rule, with the staged loop's sows as copies (they ran in the known
+  # loop): the known part of the loop runs now, and the whole loop is
+  # staged for the unknown carries.
+  n_cc, n_bc = params['cond_nconsts'], params['body_nconsts']
+  uk = [not t.pval.is_known() for t in tracers]
+  known_ins = [
+      t.pval.get_known()
+      for t, u in zip(tracers, uk[: n_cc + n_bc] + carry_uk)
+      if not u
+  ]
+  known_outs = _jax.while_p.bind(
+      *known_ins,
+      cond_nconsts=n_cc - sum(uk[:n_cc]),
+      cond_jaxpr=cond_known,
+      body_nconsts=n_bc - sum(uk[n_cc : n_cc + n_bc]),
+      body_jaxpr=body_known,
+  )
+  staged = trace.default_process_primitive(
+      _jax.while_p,
+      tracers,
+      dict(
+          params,
+          body_jaxpr=without_staged_sows(body),
+          cond_jaxpr=without_staged_sows(params['cond_jaxpr']),
+      ),
+  )
+  # Each known carry from the known loop, each unknown one from the staged.
+  known_outs = iter(known_outs)
+  return [s if u else next(known_outs) for s, u in zip(staged, carry_uk)]
 
 
 _jax_patches.register('while_partial_eval', _while_partial_eval)

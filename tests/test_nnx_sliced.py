@@ -286,6 +286,68 @@ def vmap_broadcast_reduce():
   return {'st': st}
 
 
+# One scanned function (and one nnx.jit) made once, called by several
+# captures with different init= values: JAX caches the traced body by the
+# function, so each call's init= values must not be baked into it.
+@nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+def forward_made_once(block, x):
+  return block(x)
+
+
+@nnx.jit
+def jitted_made_once(block, x):
+  return block(x)
+
+
+@case
+def init_twice_one_scan():
+  blocks = create(nnx.Rngs(0))
+  _, perts = nnx.capture(forward_made_once, nnx.Perturbation)(blocks, X)
+  _, sown = nnx.capture(forward_made_once, nnx.Intermediate)(blocks, X)
+  out = {}
+  for i, shift in enumerate((0.0, 0.5, -1.0)):
+    shifted = jax.tree.map(lambda a: a + shift, perts)
+    y, out[f'st{i}'] = nnx.capture(
+        forward_made_once, nnx.Intermediate, init=shifted)(blocks, X)
+    out[f'y{i}'] = y
+    # init= for a reduced Module.sow: its accumulator starts there.
+    start = jax.tree.map(lambda a: a + shift, sown)
+    y, out[f'acc{i}'] = nnx.capture(
+        forward_made_once, nnx.Intermediate, init=start)(blocks, X)
+  return out
+
+
+@case
+def init_recipe_twice_one_scan():
+  blocks = create(nnx.Rngs(0))
+  _, perts = nnx.capture(forward_made_once, nnx.Perturbation)(blocks, X)
+
+  def loss(model, perts, x):
+    y, st = nnx.capture(forward_made_once, nnx.Intermediate, init=perts)(
+        model, x)
+    return jnp.sum(y ** 3), st
+
+  out = {}
+  for i, shift in enumerate((0.0, 0.25)):
+    shifted = jax.tree.map(lambda a: a + shift, perts)
+    (g, pg), _ = nnx.grad(loss, argnums=(0, 1), has_aux=True)(
+        blocks, shifted, X)
+    out[f'g{i}'], out[f'pg{i}'] = g, pg
+  return out
+
+
+@case
+def init_twice_one_nnx_jit():
+  block = Block(nnx.Rngs(3))
+  _, perts = nnx.capture(jitted_made_once, nnx.Perturbation)(block, X)
+  out = {}
+  for i, shift in enumerate((0.0, 2.0)):
+    shifted = jax.tree.map(lambda a: a + shift, perts)
+    out[f'y{i}'], out[f'st{i}'] = nnx.capture(
+        jitted_made_once, nnx.Intermediate, init=shifted)(block, X)
+  return out
+
+
 def encode(tree):
   if isinstance(tree, nnx.State):
     tree = nnx.to_pure_dict(tree)
@@ -322,6 +384,9 @@ SAME_AS_FLAX = (
     'scan_of_vmap',
     'simple_graph_mode',
     'tree_mode',
+    'init_twice_one_scan',
+    'init_recipe_twice_one_scan',
+    'init_twice_one_nnx_jit',
 )
 
 

@@ -462,8 +462,10 @@ def module_sow(
   if has_init and held is init[1]:  # PR: nnx_transforms
     held = slices.init_row(frames, key, init[1])
   if held is not _NOTHING:
-    if not has_init and not scope.at_top():
-      scope.forget_traces()  # this trace holds ``held`` as a constant
+    if not scope.at_top():
+      # This trace holds ``held`` (this call's init= value, or what it
+      # folded in Python) as a constant: it must not serve a later call.
+      scope.forget_traces()
     init_fn = lambda: held  # pylint: disable=unnecessary-lambda
   # A reduced sow, folded as Flax folds it: where no loop or branch carries
   # the accumulator, reduce_fn may change its type (e.g. a tuple that grows);
@@ -532,6 +534,11 @@ def module_perturb(self, name: str, value, variable_type=nnx.Perturbation):
     # Flax slices the init= value like the module's state.
     row = init[1]
     row = slices.init_row(frames, (full, variable_type), row)  # PR: nnx_transforms
+    if not scope.at_top():
+      # This trace (a jit or loop body JAX caches by its function) holds
+      # this call's init= value as a constant: a later call, with other
+      # init= values, must trace it again.
+      scope.forget_traces()
     if accepted:
       _state_sow(scope, frames, row, _zeros_name(full), tag)
     return jax.tree.map(operator.add, row, value)

@@ -91,6 +91,29 @@ def loss(f):
   return lambda b: jnp.sum(f(b))
 
 
+def capture_then_loss(f, **kwargs):
+  """``b -> (sum(x), collected)``: a capture inside the differentiated
+  function, the supported way to differentiate a solve whose ``solve``
+  sows."""
+
+  def h(b):
+    x, collected = capture(f, **kwargs)(b)
+    return jnp.sum(x), collected
+
+  return h
+
+
+# A sow in ``solve`` that ``f`` differentiates inside the capture (or
+# intervene): JAX binds ``solve`` again on tangents, a copy the capture
+# cannot tell from the primal solve.
+DIFFERENTIATED = (
+    r"sow '{name}' \(at .*test_linear_solve.py:\d+.*\) is inside the"
+    r' `solve` function of `lax.custom_linear_solve`, which is'
+    r' differentiated .* inside the capture or intervene.*Differentiate a'
+    r' function that calls the capture or intervene instead'
+)
+
+
 class CaptureTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
@@ -139,29 +162,49 @@ class CaptureTest(parameterized.TestCase):
   @parameterized.named_parameters(
       ('transpose_solve', False), ('symmetric', True)
   )
-  def test_grad_collects_the_primal_solve_once(self, symmetric):
-    # grad runs the solve on the primal, then its transpose on the
-    # cotangent (symmetric: the same function, sow included): one entry.
+  def test_grad_inside_raises_and_around_collects_once(self, symmetric):
+    # grad inside the capture runs the solve on the primal, then again on
+    # tangents and transposed: refused. Around the capture: one entry.
     f = linear_solve(solve_sowing, symmetric)
-    g, collected = capture(jax.grad(loss(f)))(B)
+    with self.assertRaisesRegex(
+        NotImplementedError, DIFFERENTIATED.format(name='s')
+    ):
+      capture(jax.grad(loss(f)))(B)
+    (value, collected), g = jax.value_and_grad(
+        capture_then_loss(f), has_aux=True
+    )(B)
+    assert_close(value, np.sum(B / D))
     assert_close(g, 1.0 / D)
     assert_close(g, jax.grad(loss(plain))(B))
     assert_collected(self, collected, {'s': (B / D,)})
 
   def test_jit_of_grad(self):
     f = linear_solve(solve_sowing, symmetric=True)
-    g, collected = capture(jax.jit(jax.grad(loss(f))))(B)
+    with self.assertRaisesRegex(
+        NotImplementedError, DIFFERENTIATED.format(name='s')
+    ):
+      capture(jax.jit(jax.grad(loss(f))))(B)
+    step = jax.jit(jax.value_and_grad(capture_then_loss(f), has_aux=True))
+    (_, collected), g = step(B)
     assert_close(g, 1.0 / D)
     assert_collected(self, collected, {'s': (B / D,)})
 
-  def test_jvp_collects_the_primal_solve_once(self):
-    # jvp runs the solve on the tangent too: it must not add an entry.
+  def test_jvp_inside_raises_and_around_collects_once(self):
     f = linear_solve(solve_sowing)
     t = np.array([1.0, -1.0], np.float32)
-    (out, tangent), collected = capture(lambda b: jax.jvp(f, (b,), (t,)))(B)
+    with self.assertRaisesRegex(
+        NotImplementedError, DIFFERENTIATED.format(name='s')
+    ):
+      capture(lambda b: jax.jvp(f, (b,), (t,)))(B)
+    (out, collected), (tangent, collected_dot) = jax.jvp(
+        capture(f), (B,), (t,)
+    )
     assert_close(out, B / D)
     assert_close(tangent, t / D)
     assert_collected(self, collected, {'s': (B / D,)})
+    # Collected values get zero tangents: custom_linear_solve defines the
+    # derivative of x only.
+    assert_close(collected_dot['s'], (np.zeros(2, np.float32),))
 
   def test_grad_around_capture(self):
     f = linear_solve(solve_sowing)
@@ -219,7 +262,13 @@ class CaptureTest(parameterized.TestCase):
       out, collected = capture(transform(f))(B)
       assert_close(out, B / D)
       assert_collected(self, collected, expected)
-    g, collected = capture(jax.grad(loss(f)))(B)
+    with self.assertRaisesRegex(
+        NotImplementedError, DIFFERENTIATED.format(name='total')
+    ):
+      capture(jax.grad(loss(f)))(B)
+    (_, collected), g = jax.value_and_grad(
+        capture_then_loss(f), has_aux=True
+    )(B)
     assert_close(g, 1.0 / D)
     assert_collected(self, collected, expected)
     out, collected = jax.vmap(capture(f))(B2)
@@ -267,7 +316,13 @@ class CaptureTest(parameterized.TestCase):
     (x, aux), collected = capture(f)(B)
     assert_close((x, aux), (B / D, np.float32(B.sum())))
     assert_collected(self, collected, {'s': (B / D,)})
-    g, collected = capture(jax.grad(lambda b: jnp.sum(f(b)[0])))(B)
+    with self.assertRaisesRegex(
+        NotImplementedError, DIFFERENTIATED.format(name='s')
+    ):
+      capture(jax.grad(lambda b: jnp.sum(f(b)[0])))(B)
+    (_, collected), g = jax.value_and_grad(
+        capture_then_loss(lambda b: f(b)[0]), has_aux=True
+    )(B)
     assert_close(g, 1.0 / D)
     assert_collected(self, collected, {'s': (B / D,)})
 
@@ -289,20 +344,32 @@ class CaptureTest(parameterized.TestCase):
       out, collected = capture(transform(f))(B)
       assert_close(out, B / D)
       assert_collected(self, collected, {'m': (A @ B,)})
-    g, collected = capture(jax.grad(loss(f)))(B)
+    # solve calls matvec: its sow is in solve, differentiated inside.
+    with self.assertRaisesRegex(
+        NotImplementedError, DIFFERENTIATED.format(name='m')
+    ):
+      capture(jax.grad(loss(f)))(B)
+    (_, collected), g = jax.value_and_grad(
+        capture_then_loss(f), has_aux=True
+    )(B)
     assert_close(g, 1.0 / D)
     assert_collected(self, collected, {'m': (A @ B,)})
 
   def test_nested_solve_under_grad(self):
-    # solve itself calls a custom_linear_solve that sows: under grad the
-    # outer tangent solve is re-bound with its sows (nested ones included)
-    # made remat copies, which must keep the inner equation's parameters.
+    # solve itself calls a custom_linear_solve that sows: refused where
+    # grad is inside the capture; around it, one entry.
     inner = linear_solve(solve_sowing, symmetric=True)
     f = linear_solve(lambda _, b: inner(b), symmetric=True)
     out, collected = capture(f)(B)
     assert_close(out, B / D)
     assert_collected(self, collected, {'s': (B / D,)})
-    g, collected = capture(jax.grad(loss(f)))(B)
+    with self.assertRaisesRegex(
+        NotImplementedError, DIFFERENTIATED.format(name='s')
+    ):
+      capture(jax.grad(loss(f)))(B)
+    (_, collected), g = jax.value_and_grad(
+        capture_then_loss(f), has_aux=True
+    )(B)
     assert_close(g, 1.0 / D)
     assert_collected(self, collected, {'s': (B / D,)})
 
@@ -467,25 +534,32 @@ def _sowing_solves():
   )
 
 
-class OncePerPrimalSolveTest(parameterized.TestCase):
-  """One entry, with primal values, under every way JAX differentiates the
-  solve inside the capture: the tangent solve (a remat copy, from the
-  wrapped JVP rule) and its transpose (recognised by the rules) never
-  collect, nor do the copies of solve's sows in the other functions."""
+class DifferentiatedInsideTest(parameterized.TestCase):
+  """Every way ``f`` can differentiate the solve inside the capture or
+  intervene (JAX then binds ``solve`` again on tangents, and transposed) is
+  refused with the error naming the sow; the same transform applied to a
+  function that calls the capture gives JAX's values, and the capture one
+  entry per primal solve."""
 
   @parameterized.named_parameters(
       (f'{name}_{t}', f, want, t)
       for name, f, want in _sowing_solves()
       for t in sorted(TRANSFORMS)
   )
-  def test_one_entry(self, f, want, transform):
-    out, collected = capture(TRANSFORMS[transform](f))(B)
+  def test_refused_inside_and_supported_around(self, f, want, transform):
+    pattern = DIFFERENTIATED.format(name='s')
+    with self.assertRaisesRegex(NotImplementedError, pattern):
+      capture(TRANSFORMS[transform](f))(B)
+    with self.assertRaisesRegex(NotImplementedError, pattern):
+      intervene(TRANSFORMS[transform](f), {'s': lambda v: v + 1.0})(B)
+    if transform != 'hessian':  # arrays under jacfwd: refused while staged
+      with self.assertRaisesRegex(NotImplementedError, pattern):
+        intervene(TRANSFORMS[transform](f), {'s': (R,)})(B)
     plain_f = linear_solve(divide, symmetric=True)
-    assert_close(out, TRANSFORMS[transform](plain_f)(B))
-    if transform == 'grad_of_scan':  # one row per iteration
-      want = want[None]
-    if transform == 'hessian':  # jacfwd maps over the 2 basis tangents
-      want = np.stack([want, want])
+    outer = TRANSFORMS[transform](lambda b: capture(f)(b)[0])
+    assert_close(outer(B), TRANSFORMS[transform](plain_f)(B))
+    out, collected = capture(f)(B)
+    assert_close(out, plain_f(B))
     assert_collected(self, collected, {'s': (want,)})
 
 
@@ -577,7 +651,12 @@ class InterveneTest(parameterized.TestCase):
     expected = jax.grad(loss(by_hand(R)))(B)
     assert_close(expected, 1.0 / D)
     assert_close(jax.grad(loss(intervene(f, {'s': (R,)})))(B), expected)
-    assert_close(intervene(jax.grad(loss(f)), {'s': (R,)})(B), expected)
+    # Differentiated inside intervene: the tangent solve would be replaced
+    # too.
+    with self.assertRaisesRegex(
+        NotImplementedError, DIFFERENTIATED.format(name='s')
+    ):
+      intervene(jax.grad(loss(f)), {'s': (R,)})(B)
 
   def test_under_vmap(self):
     f = linear_solve(solve_sowing)

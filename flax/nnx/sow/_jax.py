@@ -158,15 +158,17 @@ user_context = source_info_util.user_context
 current_name_stack = source_info_util.current_name_stack
 
 
-def vmaps_in(name_stack) -> int:  # PR: shard_map
-  """How many ``jax.vmap`` transforms ``name_stack`` (an equation's, or
-  :func:`current_name_stack`) records: ``jax.vmap`` pushes one while it
-  traces its function, so every equation staged under it, also a batched
-  ``shard_map``, or the call, loop or branch holding one, records it."""
+def transforms_in(name_stack, transform: str) -> int:  # PR: shard_map
+  """How many ``transform`` transforms (``'vmap'``, ``'jvp'``)
+  ``name_stack`` (an equation's, or :func:`current_name_stack`) records:
+  ``jax.vmap`` pushes ``vmap`` while it traces its function, and
+  ``jax.jvp``/``grad``/``vjp``/``linearize`` push ``jvp``, so every
+  equation staged under one, also the call, loop or branch holding one,
+  records it."""
   return sum(
       1
       for e in name_stack.stack
-      if isinstance(e, source_info_util.Transform) and e.name == 'vmap'
+      if isinstance(e, source_info_util.Transform) and e.name == transform
   )
 
 

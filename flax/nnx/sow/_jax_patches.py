@@ -289,16 +289,6 @@ INVENTORY: tuple[Patch, ...] = (
         " rule's batching flags passed to the sows it runs).",
         _wrap_rule(_jax.primitive_jvps, _jax.custom_vmap_p),
     ),
-    Patch(  # PR: linear_solve
-        'linear_solve_jvp',
-        'ad.primitive_jvps[linear_solve_p]',
-        'constructs/linear_solve.py',
-        'The JVP binds the solve again on tangents (then transposed to run'
-        ' on cotangents); its sows must not be collected a second time.',
-        'A way for a JVP rule to mark the jaxprs it re-binds on tangents as'
-        ' recomputations (or a per-effect hook in that rule).',
-        _wrap_rule(_jax.primitive_jvps, _jax.linear_solve_p),
-    ),
 )
 
 def _put(patch: Patch, wrapper: tp.Callable) -> None:

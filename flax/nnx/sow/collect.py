@@ -225,9 +225,9 @@ class Collector:
     # 'value' or 'cotangent' per name: one name, one meaning.
     self.meanings: dict[Name, str] = {}  # PR: perturb
     self.reduced = reduced_names[-1](self)
-    # At the top of a capture: the ``jax.vmap`` transforms in the name stack
-    # it was called in (see ``under_vmap``).
-    self.vmaps_outside = 0  # PR: shard_map
+    # At the top of a capture: the ``vmap`` and ``jvp`` transforms in the
+    # name stack it was called in (see ``outside_transforms``).
+    self.outside = (0, 0)  # PR: shard_map
 
   # -- which sows this capture takes --------------------------------------
 
@@ -722,40 +722,64 @@ def interpret(jaxpr, consts, args, handler, rules, unsupported) -> list:
 
 
 # ----------------------------------------------------------------------------
-# Which equations a ``jax.vmap`` applied inside the capture maps over.
+# Which equations a ``jax.vmap`` or a differentiation applied inside the
+# capture transformed.
 #
 # JAX stages an equation that ``jax.vmap`` batches (a batched ``shard_map``,
 # or the call, loop or branch that holds one) with a ``vmap`` transform in
-# its name stack, relative to the jaxpr that holds it; the jaxpr itself does
-# not show which axis the vmap added. ``constructs/shard_map.py`` reads this
-# to refuse a plain sow in a ``shard_map`` that such a vmap maps over. The
-# state is ``(mapped, vmaps_outside)``: whether an equation being
-# interpreted, or one holding it, records a vmap; and how many vmap
-# transforms the next equation records that are not the capture's own (the
-# top-level equations a capture stages carry the whole name stack it was
-# called in, which a ``jax.vmap`` around the capture is part of).
-_VMAPPED = contextvars.ContextVar(  # PR: shard_map
-    'flax_nnx_sow_vmapped', default=(False, 0)
+# its name stack, relative to the jaxpr that holds it, and one that
+# ``jax.jvp``/``grad``/``linearize`` differentiates with a ``jvp`` transform;
+# the jaxpr itself does not show which axis the vmap added, nor which
+# equations JAX's rules bound again on tangents. ``constructs/shard_map.py``
+# reads the first to refuse a plain sow in a ``shard_map`` that such a vmap
+# maps over; ``constructs/linear_solve.py`` the second. The state is
+# ``(mapped, differentiated, outside)``: whether an equation being
+# interpreted, or one holding it, records a vmap, and a jvp; and how many
+# vmap and jvp transforms the next equation records that are not the
+# capture's own (the top-level equations a capture stages carry the whole
+# name stack it was called in, which a ``jax.vmap`` or ``jax.grad`` around
+# the capture is part of).
+_TRANSFORMED = contextvars.ContextVar(  # PR: shard_map
+    'flax_nnx_sow_transformed', default=(False, False, (0, 0))
 )
 
 
 def under_vmap() -> bool:  # PR: shard_map
   """Whether the equation being interpreted is mapped over by a
   ``jax.vmap`` that ``f`` applied inside the capture (not one around it)."""
-  return _VMAPPED.get()[0]
+  return _TRANSFORMED.get()[0]
 
 
-def top_of_capture(collector: Collector):  # PR: shard_map
-  """The context in which a capture interprets the equations it staged
-  from ``f``'s binds, which carry the name stack the capture was called in
-  (``toplevel.py``)."""
-  return _setting((False, collector.vmaps_outside))
+def differentiated() -> bool:  # PR: linear_solve
+  """Whether the equation being interpreted was differentiated by a
+  ``jax.jvp``, ``grad``, ``vjp`` or ``linearize`` that ``f`` applied inside
+  the capture or ``intervene`` (not one around it)."""
+  return _TRANSFORMED.get()[1]
+
+
+def outside_transforms() -> tuple[int, int]:  # PR: shard_map
+  """How many ``vmap`` and ``jvp`` transforms the name stack records now:
+  those of a capture or ``intervene`` called here are not its own."""
+  stack = _jax.current_name_stack()
+  return (_jax.transforms_in(stack, 'vmap'), _jax.transforms_in(stack, 'jvp'))
+
+
+def top_of_capture(outside: tuple[int, int]):  # PR: shard_map
+  """The context in which a capture (or ``intervene``) interprets the
+  equations it staged from ``f``'s binds, which carry the name stack it was
+  called in, holding ``outside`` (:func:`outside_transforms`)."""
+  return _setting((False, False, outside))
 
 
 def _entering(eqn):  # PR: shard_map
   """The state while ``eqn`` (and what it holds) is interpreted."""
-  mapped, outside = state = _VMAPPED.get()
-  now = (mapped or _jax.vmaps_in(eqn.source_info.name_stack) > outside, 0)
+  mapped, jvped, outside = state = _TRANSFORMED.get()
+  stack = eqn.source_info.name_stack
+  now = (
+      mapped or _jax.transforms_in(stack, 'vmap') > outside[0],
+      jvped or _jax.transforms_in(stack, 'jvp') > outside[1],
+      (0, 0),
+  )
   return _UNCHANGED if now == state else _setting(now)
 
 
@@ -764,11 +788,11 @@ _UNCHANGED = contextlib.nullcontext()  # PR: shard_map
 
 @contextlib.contextmanager
 def _setting(state):  # PR: shard_map
-  token = _VMAPPED.set(state)
+  token = _TRANSFORMED.set(state)
   try:
     yield
   finally:
-    _VMAPPED.reset(token)
+    _TRANSFORMED.reset(token)
 
 
 def no_rule_error(transform: str, eqn, sites) -> NotImplementedError:

@@ -202,7 +202,7 @@ class CaptureTrace(_jax.Trace):
     closed = _stage_alone(bind, args, primitive, multiple_results)
     top = contextlib.nullcontext()
     # Its equation records the name stack the capture was called in.
-    top = capture_lib.top_of_capture(self.collector)  # PR: shard_map
+    top = capture_lib.top_of_capture(self.collector.outside)  # PR: shard_map
     with _jax.set_current_trace(self.parent), top:
       outs = _evaluate(closed, args, self.collector)
     return _results(outs, primitive, multiple_results)
@@ -306,10 +306,8 @@ def trace_and_collect(
     )
   # Each sow is folded as it is bound (python_folds).
   collector = capture_lib.Collector(accepts_key, python_folds=True)
-  # A jax.vmap around the capture is not one inside it (shard_map.py).
-  collector.vmaps_outside = _jax.vmaps_in(  # PR: shard_map
-      _jax.current_name_stack()
-  )
+  # A jax.vmap or jax.grad around the capture is not one inside it.
+  collector.outside = capture_lib.outside_transforms()  # PR: shard_map
   parent = _jax.trace_ctx.trace
   # Part of JAX's tracing cache key: its own record of the names that
   # tracing asks about (vmap's rules, rarely), so that it compares cheaply.

@@ -29,12 +29,15 @@ transpose). Evaluating the primitive runs ``solve`` only; JAX runs
   ``solve``; ``transpose_solve`` returns zeros in their place, as JAX
   requires the same auxiliary outputs from both. ``intervene`` passes the
   replacements as extra constants of ``solve``.
-* Under ``jvp``/``grad``/``linearize`` the solve JAX runs on tangents (and
-  so its transpose, on cotangents) is bound with every staged sow made a
-  remat copy (the JVP rule is wrapped: ``linear_solve_jvp`` in the patch
-  inventory), so a differentiated program collects what the primal one
-  does. Collected values get zero tangents: ``custom_linear_solve`` defines
-  the derivative of ``x`` only.
+* Differentiated around the capture or intervene, collected values get
+  zero tangents (``custom_linear_solve`` defines the derivative of ``x``
+  only), and replacements are passed with ``stop_gradient``. Differentiated
+  inside (``jvp``/``grad``/``linearize`` applied by ``f``), JAX's JVP rule
+  binds ``solve`` again on tangents with the very same functions, a copy no
+  rule can tell from the primal solve: a sow in ``solve`` that the capture
+  or intervene takes there raises ``NotImplementedError``. The rules know
+  the solve is differentiated from the ``jvp`` transform its equation (or
+  one holding it) records in its name stack (``collect.differentiated``).
 * A sow in ``matvec``, ``vecmat`` or ``transpose_solve`` is never run on
   primal values, so nothing can be collected from it. A sow there that is
   also in ``solve`` (``solve`` calls ``matvec``; ``symmetric=True`` traces
@@ -58,17 +61,19 @@ transpose). Evaluating the primitive runs ``solve`` only; JAX runs
 from __future__ import annotations
 
 
+import jax
 import jax.numpy as jnp
 
 from flax.nnx.sow import _jax
-from flax.nnx.sow import _jax_patches
 from flax.nnx.sow.collect import Collector
 from flax.nnx.sow.collect import cached
 from flax.nnx.sow.collect import collect_rules
+from flax.nnx.sow.collect import differentiated
 from flax.nnx.sow.constructs.adapter import hoisted
 from flax.nnx.sow.constructs.adapter import permuted
 from flax.nnx.sow.inject import intervene_rules
 from flax.nnx.sow.inject import one_body
+from flax.nnx.sow.inject import program_checks
 from flax.nnx.sow.sites import construct_names
 from flax.nnx.sow.sites import counted_jaxprs
 from flax.nnx.sow.sites import holds_staged_sow
@@ -117,6 +122,43 @@ def _check_transposed(jaxprs, takes) -> None:
             ' so a capture or intervene cannot give it a value. Sow the'
             ' inputs or the result of `custom_linear_solve` outside it.'
         )
+
+
+def _check_differentiated(jaxprs, takes, jvped: bool | None = None) -> None:
+  """Raises for a sow ``takes`` accepts in ``solve`` where ``f``
+  differentiates the solve inside the capture or ``intervene`` (``jvped``;
+  by default as ``collect.differentiated`` says)."""
+  if not (differentiated() if jvped is None else jvped):
+    return
+  for site in sow_sites(jaxprs.solve.jaxpr):
+    if takes(site):
+      raise NotImplementedError(
+          f'sow {site.name!r}{site.where} is inside the `solve` function of'
+          f' {_NAME}, which is differentiated (`jax.jvp`, `grad`, `vjp` or'
+          ' `linearize`) inside the capture or intervene. JAX'
+          " differentiates the solve implicitly: its JVP rule binds `solve`"
+          ' again on tangents with the same functions, and that copy cannot'
+          ' be told from the primal solve, so its values would be collected'
+          ' (or replaced) as if they were primal ones. Differentiate a'
+          ' function that calls the capture or intervene instead'
+          ' (`jax.grad(lambda b: capture(f)(b)[0])`), or sow the inputs or'
+          ' the result of `custom_linear_solve` outside it. (JAX change that would lift this: a JVP rule that marks the'
+          ' jaxprs it binds again on tangents; see docs/upstream.md.)'
+      )
+
+
+def _check_program(jaxpr: _jax.Jaxpr, takes, jvped: bool = False) -> None:
+  """Raises for every equation of ``jaxpr`` (and its sub-jaxprs) that
+  :func:`_check_differentiated` refuses; ``intervene`` runs it on the
+  program it stages before counting entries (``inject.program_checks``)."""
+  for eqn in jaxpr.eqns:
+    now = jvped or _jax.transforms_in(eqn.source_info.name_stack, 'jvp') > 0
+    if eqn.primitive is _jax.linear_solve_p:
+      if now:
+        _check_differentiated(eqn.params['jaxprs'], takes, True)
+      continue
+    for sub in _jax.jaxprs_in_params(eqn.params):
+      _check_program(sub, takes, now)
 
 
 def _copies_in_solve(jaxprs):
@@ -193,6 +235,7 @@ def _linear_solve_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
   jaxprs = eqn.params['jaxprs']
   takes = lambda s: collector.accepts(s.tag, s.reduction, s.kind, s.name)
   _check_transposed(jaxprs, takes)
+  _check_differentiated(jaxprs, takes)
   _check_other_functions(jaxprs, takes)
   new_solve, layout, acc_in = collector.prepare(jaxprs.solve)
   new_solve, consts = hoisted(new_solve)
@@ -222,6 +265,7 @@ def _linear_solve_intervene(injector, eqn, invals):
   jaxprs = eqn.params['jaxprs']
   takes = lambda s: injector.targets(s.eqn.params)
   _check_transposed(jaxprs, takes)
+  _check_differentiated(jaxprs, takes)
   _check_other_functions(jaxprs, takes)
   n_consts = eqn.params['const_lengths'].solve
   new, reps = one_body(injector, jaxprs.solve)
@@ -240,6 +284,11 @@ def _linear_solve_intervene(injector, eqn, invals):
       lambda: permuted(new, order, range(len(new.out_avals))),
   )
   others = _others_without_sows(jaxprs)
+  # JAX's rule differentiates ``x`` implicitly (``dx = A^-1 (db - dA x)``):
+  # what ``solve`` computes from them, a replacement included, has a zero
+  # gradient. Stopped here, as JAX's rule fails where they alone have
+  # tangents (it binds symbolic zeros).
+  consts, reps = jax.lax.stop_gradient((list(consts), list(reps)))
   return _with_solve_consts(
       eqn,
       invals,
@@ -264,49 +313,4 @@ construct_names[_jax.linear_solve_p] = _NAME
 counted_jaxprs[_jax.linear_solve_p] = _counted
 
 
-# ----------------------------------------------------------------------------
-# JVP: the solve JAX runs on tangents must not collect again.
-
-
-def _linear_solve_jvp(original, primals, tangents, *, const_lengths, jaxprs):
-  # Where neither ``b`` nor ``matvec``'s constants have tangents, only the
-  # other functions' constants (a replacement that intervene passes to
-  # ``solve``, differentiated), JAX's rule binds symbolic zeros and fails:
-  # ``b``'s tangents are instantiated (nothing else reaches this case). The
-  # rule differentiates ``x`` implicitly, so the result does not depend on
-  # what ``solve`` computes: a zero gradient with respect to such a
-  # replacement, as under a custom_jvp.
-  n_b = len(tangents) - sum(const_lengths)
-  b_start = len(tangents) - n_b
-  if all(
-      type(t) is _jax.Zero
-      for t in [*tangents[: const_lengths.matvec], *tangents[b_start:]]
-  ):
-    tangents = [
-        *tangents[:b_start],
-        *(_jax.instantiate_zeros(t) for t in tangents[b_start:]),
-    ]
-  if not any(j is not None and holds_staged_sow(j.jaxpr) for j in jaxprs):
-    return original(
-        primals, tangents, const_lengths=const_lengths, jaxprs=jaxprs
-    )
-  quiet = jaxprs._replace(
-      **{
-          f: without_staged_sows(j)
-          for f, j in jaxprs._asdict().items()
-          if j is not None
-      }
-  )
-  # JAX's rule with every sow a remat copy gives the tangents; the primal
-  # solve is bound with its sows. (JAX's rule also binds a quiet primal
-  # solve, which dead-code elimination removes under ``jit``.)
-  _, x_dot = original(
-      primals, tangents, const_lengths=const_lengths, jaxprs=quiet
-  )
-  x = _jax.linear_solve_p.bind(
-      *primals, const_lengths=const_lengths, jaxprs=jaxprs
-  )
-  return x, x_dot
-
-
-_jax_patches.register('linear_solve_jvp', _linear_solve_jvp)
+program_checks.append(_check_program)

@@ -54,8 +54,7 @@ transpose). Evaluating the primitive runs ``solve`` only; JAX runs
   was traced as ``transpose_solve`` runs no sow on primal values, and a sow
   a capture or intervene takes there (``jax.linear_transpose`` of a
   function that calls ``custom_linear_solve``) raises
-  ``NotImplementedError`` naming it. Under ``grad`` the solve JAX
-  transposes is the tangent one, whose sows are remat copies (above).
+  ``NotImplementedError`` naming it.
 """
 
 from __future__ import annotations
@@ -140,8 +139,9 @@ def _check_differentiated(jaxprs, takes, jvped: bool | None = None) -> None:
           ' again on tangents with the same functions, and that copy cannot'
           ' be told from the primal solve, so its values would be collected'
           ' (or replaced) as if they were primal ones. Differentiate a'
-          ' function that calls the capture or intervene instead'
-          ' (`jax.grad(lambda b: capture(f)(b)[0])`), or sow the inputs or'
+          ' function that calls the capture or intervene instead (as'
+          ' `jax.value_and_grad(loss, has_aux=True)` of a `loss` that calls'
+          ' `capture(f)` and returns `(value, collected)`), or sow the inputs or'
           ' the result of `custom_linear_solve` outside it. (JAX change that would lift this: a JVP rule that marks the'
           ' jaxprs it binds again on tangents; see docs/upstream.md.)'
       )

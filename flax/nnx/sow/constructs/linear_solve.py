@@ -75,7 +75,6 @@ from flax.nnx.sow.inject import one_body
 from flax.nnx.sow.inject import program_checks
 from flax.nnx.sow.sites import construct_names
 from flax.nnx.sow.sites import counted_jaxprs
-from flax.nnx.sow.sites import holds_staged_sow
 from flax.nnx.sow.sites import sow_sites
 from flax.nnx.sow.sites import without_staged_sows
 
@@ -141,9 +140,10 @@ def _check_differentiated(jaxprs, takes, jvped: bool | None = None) -> None:
           ' (or replaced) as if they were primal ones. Differentiate a'
           ' function that calls the capture or intervene instead (as'
           ' `jax.value_and_grad(loss, has_aux=True)` of a `loss` that calls'
-          ' `capture(f)` and returns `(value, collected)`), or sow the inputs or'
-          ' the result of `custom_linear_solve` outside it. (JAX change that would lift this: a JVP rule that marks the'
-          ' jaxprs it binds again on tangents; see docs/upstream.md.)'
+          ' `capture(f)` and returns `(value, collected)`), or sow the'
+          ' inputs or the result of `custom_linear_solve` outside it. (JAX'
+          ' change that would lift this: a JVP rule that marks the jaxprs it'
+          ' binds again on tangents; see docs/upstream.md.)'
       )
 
 

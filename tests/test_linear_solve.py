@@ -649,6 +649,47 @@ class InterveneTest(parameterized.TestCase):
     ):
       intervene(jax.grad(loss(f)), {'s': (R,)})(B)
 
+  @parameterized.product(
+      symmetric=(False, True),
+      replacement=('array', 'callable'),
+      transform=('jacfwd', 'jacrev', 'jit_jacfwd', 'linearize'),
+  )
+  def test_derivatives_around_are_the_implicit_ones(
+      self, symmetric, replacement, transform
+  ):
+    # x = solve(A, b) with the sow replaced; custom_linear_solve's
+    # derivative is implicit, dx = A^-1 (db - dA x), at the replaced x,
+    # with A = diag(d), so dx/db = diag(1 / d), dx/dd = diag(-x / d). Forward
+    # mode used to run the replaced solve on tangents (found by a fresh
+    # review).
+    rep = (R,) if replacement == 'array' else (lambda v: 3.0 * v)
+
+    def f(d, b):
+      return jax.lax.custom_linear_solve(
+          lambda x: d * x,
+          b,
+          lambda _, b: sow(b / d, name='s'),
+          None if symmetric else (lambda _, b: b / d),
+          symmetric=symmetric,
+      )
+
+    g = lambda d, b: intervene(f, {'s': rep})(d, b)
+    d = jnp.asarray(D)
+    x = R if replacement == 'array' else 3.0 * B / D
+    assert_close(g(d, B), x)
+    expected = (np.diag(-x / D), np.diag(1.0 / D))
+    if transform == 'linearize':
+      dd, db = np.array([1.0, -2.0], np.float32), np.array([0.5, 3.0], np.float32)
+      _, lin = jax.linearize(g, d, jnp.asarray(B))
+      assert_close(lin(dd, db), expected[0] @ dd + expected[1] @ db)
+      return
+    jac = dict(
+        jacfwd=jax.jacfwd(g, argnums=(0, 1)),
+        jacrev=jax.jacrev(g, argnums=(0, 1)),
+        jit_jacfwd=jax.jit(jax.jacfwd(g, argnums=(0, 1))),
+    )[transform]
+    assert_close(jac(d, jnp.asarray(B)), expected)
+
   def test_under_vmap(self):
     f = linear_solve(solve_sowing)
     out = jax.vmap(intervene(f, {'s': (R,)}))(B2)

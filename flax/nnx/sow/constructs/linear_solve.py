@@ -31,7 +31,10 @@ transpose). Evaluating the primitive runs ``solve`` only; JAX runs
   replacements as extra constants of ``solve``.
 * Differentiated around the capture or intervene, collected values get
   zero tangents (``custom_linear_solve`` defines the derivative of ``x``
-  only), and replacements are passed with ``stop_gradient``. Differentiated
+  only). A solve whose ``solve`` intervene replaces a sow in is bound in a
+  ``custom_jvp`` that solves tangents with the original ``solve`` (JAX's
+  rule would run the replaced one on them), so replacements get a zero
+  gradient and forward and reverse mode agree. Differentiated
   inside (``jvp``/``grad``/``linearize`` applied by ``f``), JAX's JVP rule
   binds ``solve`` again on tangents with the very same functions, a copy no
   rule can tell from the primal solve: a sow in ``solve`` that the capture
@@ -284,12 +287,7 @@ def _linear_solve_intervene(injector, eqn, invals):
       lambda: permuted(new, order, range(len(new.out_avals))),
   )
   others = _others_without_sows(jaxprs)
-  # JAX's rule differentiates ``x`` implicitly (``dx = A^-1 (db - dA x)``):
-  # what ``solve`` computes from them, a replacement included, has a zero
-  # gradient. Stopped here, as JAX's rule fails where they alone have
-  # tangents (it binds symbolic zeros).
-  consts, reps = jax.lax.stop_gradient((list(consts), list(reps)))
-  return _with_solve_consts(
+  bind = lambda invals, consts, reps: _with_solve_consts(
       eqn,
       invals,
       consts,
@@ -299,6 +297,59 @@ def _linear_solve_intervene(injector, eqn, invals):
       transpose_solve=others.transpose_solve,
       solve=new,
   )
+  if not any(takes(s) for s in sow_sites(jaxprs.solve.jaxpr)):
+    # What ``solve`` computes has a zero gradient under JAX's implicit rule;
+    # stopped, as that rule fails where only these have tangents (it binds
+    # symbolic zeros).
+    return bind(invals, *jax.lax.stop_gradient((list(consts), list(reps))))
+  return _with_original_tangents(eqn, others, bind)(
+      list(invals), list(consts), list(reps)
+  )
+
+
+def _with_original_tangents(eqn, others, bind):
+  """``bind`` (the equation with ``solve`` replaced) as a ``custom_jvp``
+  whose tangents are the original equation's.
+
+  JAX's JVP rule differentiates ``x`` implicitly, ``dx = A^-1 (db - dA x)``,
+  and computes ``A^-1`` by binding ``solve`` again on tangents: with the
+  replaced ``solve`` it would apply the replacement to the tangent. Here
+  ``A^-1`` is the original ``solve`` (its sows copies no capture collects),
+  as JAX's transposition uses the original ``transpose_solve``; ``x`` is the
+  replaced solve's, so forward and reverse mode agree. Replacements and the
+  constants of the rewrite get no tangent (zero gradient), as values
+  ``solve`` computes do under JAX's rule.
+  """
+  lengths = eqn.params['const_lengths']
+  n_matvec = lengths.matvec
+  n_consts = sum(lengths)
+  tangent_eqn = dict(
+      eqn.params,
+      jaxprs=others._replace(solve=without_staged_sows(others.solve)),
+  )
+
+  @jax.custom_jvp
+  def replaced(invals, consts, reps):
+    return bind(invals, consts, reps)
+
+  @replaced.defjvp
+  def replaced_jvp(primals, tangents):
+    invals, consts, reps = primals
+    outs = bind(invals, consts, reps)
+    n_x = len(invals) - n_consts
+    x = outs[:n_x]
+    matvec_consts, dots = invals[:n_matvec], tangents[0]
+    _, dA_x = jax.jvp(
+        lambda *c: _jax.eval_closed(others.matvec, [*c, *x]),
+        matvec_consts,
+        dots[:n_matvec],
+    )
+    rhs = [db - d for db, d in zip(dots[n_consts:], dA_x)]
+    x_dot = _jax.linear_solve_p.bind(*invals[:n_consts], *rhs, **tangent_eqn)
+    aux_dot = [_jax.zeros_like_tangent(a) for a in outs[n_x:]]
+    return outs, [*x_dot[:n_x], *aux_dot]
+
+  return replaced
 
 
 collect_rules[_jax.linear_solve_p] = _linear_solve_capture

@@ -690,6 +690,46 @@ class InterveneTest(parameterized.TestCase):
     )[transform]
     assert_close(jac(d, jnp.asarray(B)), expected)
 
+  @parameterized.product(
+      transform=('hessian', 'jacfwd_jacfwd', 'jacrev_jacrev', 'jacrev_jacfwd'),
+      symmetric=(False, True),
+  )
+  def test_second_derivatives_around(self, transform, symmetric):
+    # L(t) = w.x + x.x / 2 with A(t) = A0 + t M and x replaced by r. The
+    # implicit rule applied again: x' = -A^-1 M r, x'' = 2 A^-1 M A^-1 M r,
+    # L'' = x'.x' + (w + r).x'' (found by a fresh review: forward over
+    # forward mode applied JAX's rule to the replaced solve).
+    a0 = np.array([[4.0, 1.0, 0.5], [1.0, 3.0, 0.2], [0.5, 0.2, 2.0]])
+    m = np.array([[1.0, 0.3, 0.0], [0.3, 0.5, 0.4], [0.0, 0.4, 1.5]])
+    w, b, r = np.array([0.7, -1.2, 0.4]), np.array([1.0, -2.0, 0.5]), np.array(
+        [0.4, -0.9, 1.3]
+    )
+    t = 0.3
+
+    def loss(t):
+      a = jnp.asarray(a0, jnp.float32) + t * jnp.asarray(m, jnp.float32)
+      x = jax.lax.custom_linear_solve(
+          lambda v: a @ v,
+          jnp.asarray(b, jnp.float32),
+          lambda _, c: sow(jnp.linalg.solve(a, c), name='x'),
+          None if symmetric else (lambda _, c: jnp.linalg.solve(a.T, c)),
+          symmetric=symmetric,
+      )
+      return jnp.asarray(w, jnp.float32) @ x + 0.5 * x @ x
+
+    g = intervene(loss, {'x': (np.asarray(r, np.float32),)})
+    inv = np.linalg.inv(a0 + t * m)
+    x1 = -inv @ m @ r
+    x2 = 2.0 * inv @ m @ inv @ m @ r
+    expected = x1 @ x1 + (w + r) @ x2
+    second = dict(
+        hessian=jax.hessian(g),
+        jacfwd_jacfwd=jax.jacfwd(jax.jacfwd(g)),
+        jacrev_jacrev=jax.jacrev(jax.jacrev(g)),
+        jacrev_jacfwd=jax.jacrev(jax.jacfwd(g)),
+    )[transform]
+    np.testing.assert_allclose(second(np.float32(t)), expected, rtol=2e-4)
+
   def test_under_vmap(self):
     f = linear_solve(solve_sowing)
     out = jax.vmap(intervene(f, {'s': (R,)}))(B2)

@@ -335,7 +335,9 @@ def _with_original_tangents(eqn, others, bind):
   @replaced.defjvp
   def replaced_jvp(primals, tangents):
     invals, consts, reps = primals
-    outs = bind(invals, consts, reps)
+    # The primal through ``replaced`` itself: a derivative of this rule
+    # (forward over forward) applies it again, not JAX's.
+    outs = replaced(invals, consts, reps)
     n_x = len(invals) - n_consts
     x = outs[:n_x]
     matvec_consts, dots = invals[:n_matvec], tangents[0]

@@ -158,7 +158,7 @@ user_context = source_info_util.user_context
 current_name_stack = source_info_util.current_name_stack
 
 
-def transforms_in(name_stack, transform: str) -> int:  # PR: partial_eval
+def transforms_in(name_stack, transform: str) -> int:  # PR: custom
   """How many ``transform`` transforms (``'vmap'``, ``'jvp'``)
   ``name_stack`` (an equation's, or :func:`current_name_stack`) records:
   ``jax.vmap`` pushes ``vmap`` while it traces its function, and
@@ -169,16 +169,6 @@ def transforms_in(name_stack, transform: str) -> int:  # PR: partial_eval
       1
       for e in name_stack.stack
       if isinstance(e, source_info_util.Transform) and e.name == transform
-  )
-
-
-def scopes_in(name_stack, scope: str) -> int:  # PR: partial_eval
-  """How many ``scope`` entries (``jax.named_scope(scope)``) ``name_stack``
-  (an equation's) records."""
-  return sum(
-      1
-      for e in name_stack.stack
-      if isinstance(e, source_info_util.Scope) and e.name == scope
   )
 
 

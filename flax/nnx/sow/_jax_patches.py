@@ -249,6 +249,16 @@ INVENTORY: tuple[Patch, ...] = (
         'A way to mark the staged copy of a split loop as a recomputation.',
         _wrap_rule(_jax.partial_eval_jaxpr_custom_rules, _jax.while_p),
     ),
+    Patch(  # PR: partial_eval
+        'while_partial_eval',
+        'pe.custom_partial_eval_rules[while_p]',
+        'constructs/partial_eval.py',
+        'linearize runs the known part of a loop and stages the whole loop'
+        " again: the copy's sows must not be collected each time the linear"
+        ' function is applied.',
+        'As for while_remat_rule.',
+        _wrap_rule(_jax.custom_partial_eval_rules, _jax.while_p),
+    ),
     Patch(  # PR: loops
         'scan_batching',
         'batching.fancy_primitive_batchers[scan_p]',

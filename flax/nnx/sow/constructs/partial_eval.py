@@ -31,19 +31,15 @@ them. This file keeps each sow collected exactly once, where it runs:
   hoisted whole by JAX's own rules for them, which no rule here sees: the
   hoisting is checked afterwards, and a staged sow it moved out of the loop
   raises ``NotImplementedError`` naming it.
-* **A ``while_loop`` under ``checkpoint``.** JAX keeps the known loop and
-  stages the whole loop again for the recomputation; the staged copy's sows
-  become remat copies (collected nowhere).
-* **A ``while_loop`` under ``linearize``.** JAX's rule runs the known part
-  of the loop and stages the whole loop again into the linear function, a
-  copy no rule can tell from a loop that runs once. A sow that
-  ``JaxprTrace`` partial evaluation runs on the known side carries a name
-  scope (:data:`KNOWN_PART`), so ``constructs/while_loop.py`` refuses the
-  known part of a split loop.
+* **A ``while_loop`` under ``checkpoint`` or ``linearize``.** JAX keeps the
+  known loop and stages the whole loop again (for the recomputation, or
+  into the linear function); the staged copy's sows become remat copies
+  (collected nowhere), so applying the linear function, once or many times,
+  collects nothing more.
 
 Without this file (an earlier prefix of the series, ``docs/upstream.md``)
 such sows are collected as JAX leaves them: once for a loop-invariant sow,
-twice for a ``while_loop`` that ``checkpoint`` splits.
+twice for a split ``while_loop``.
 
 Not handled here (a documented limit, ``docs/how_it_works.md``): JAX's
 dead-code elimination drops a ``checkpoint`` whose inputs and outputs are all
@@ -58,11 +54,8 @@ from __future__ import annotations
 import collections
 import threading
 
-import jax
-
 from flax.nnx.sow import _jax
 from flax.nnx.sow import _jax_patches
-from flax.nnx.sow.constructs.while_loop import split_loop_sites
 from flax.nnx.sow.primitive import HIDDEN
 from flax.nnx.sow.intervening import replacing
 from flax.nnx.sow.primitive import sow_effect
@@ -71,8 +64,8 @@ from flax.nnx.sow.primitive import staging_active  # PR: custom
 from flax.nnx.sow.sites import edit_sows
 from flax.nnx.sow.sites import holds_staged_sow
 from flax.nnx.sow.sites import remat_copy_eqn
-from flax.nnx.sow.sites import SowSite
 from flax.nnx.sow.sites import sow_sites
+from flax.nnx.sow.sites import without_staged_sows
 
 
 # ----------------------------------------------------------------------------
@@ -172,56 +165,7 @@ def _sow_partial_eval(trace, *tracers, **params):
     if replacing(params) is not None:
       return outs
     return list(tracers[: len(tracers) - params['n_closure']])
-  if (
-      params['effect']
-      and not params['remat_copy']
-      and all(t.pval.is_known() for t in tracers)
-  ):
-    # Run on the known side: marked as such (KNOWN_PART), so the rules of
-    # the constructs JAX runs again whole on the unknown side (a
-    # ``while_loop``) can refuse it.
-    with jax.named_scope(KNOWN_PART):
-      return trace.default_process_primitive(sow_p, tracers, params)
   return trace.default_process_primitive(sow_p, tracers, params)
-
-
-KNOWN_PART = 'flax_sow_known_part'
-"""The name scope of a staged sow that ``JaxprTrace`` partial evaluation
-(``jax.linearize``, a ``jax.jvp`` JAX linearizes) runs on the known side.
-JAX's rule for ``while_loop`` runs the known part of a loop (its body made
-of such sows) and stages the whole loop again, which no rule can tell from
-a loop that runs once: ``constructs/while_loop.py`` refuses a loop whose
-sows carry the scope."""
-
-
-def known_part_sites(jaxpr: _jax.Jaxpr) -> list[SowSite]:
-  """The sows of ``jaxpr`` (a loop body) that a partial evaluation applied
-  to the loop ran on the known side (:data:`KNOWN_PART`).
-
-  A differentiation inside the body marks its own sows too: each ``jvp``
-  transform recorded on the way from ``jaxpr`` to the sow accounts for (at
-  most) one mark, so a sow has run on the known side of a partial
-  evaluation of the loop itself where its marks outnumber them.
-  """
-  found = []
-
-  def walk(jaxpr, jvps, marks):
-    for eqn in jaxpr.eqns:
-      stack = eqn.source_info.name_stack
-      j = jvps + _jax.transforms_in(stack, 'jvp')
-      m = marks + _jax.scopes_in(stack, KNOWN_PART)
-      if eqn.primitive is sow_p:
-        p = eqn.params
-        if m > j and p['effect'] and not p['remat_copy']:
-          found.append(
-              SowSite(p['sow_name'], p['tag'], p['reduction'], p['kind'], eqn)
-          )
-        continue
-      for sub in _jax.jaxprs_in_params(eqn.params):
-        walk(sub, j, m)
-
-  walk(jaxpr, 0, 0)
-  return found
 
 
 class _ScanRemat(threading.local):
@@ -276,7 +220,6 @@ def _kept_in_loop(
 
 
 _jax.custom_partial_eval_rules[sow_p] = _sow_partial_eval
-split_loop_sites.append(known_part_sites)
 _jax_patches.register('scan_hoisting', _keeping_sows_in_loops)
 _jax_patches.register('scan_remat_rule', _in_scan_remat_rule)
 _jax_patches.register('partial_eval_nounits', _partial_eval_nounits)
@@ -345,3 +288,106 @@ def _while_partial_eval_custom(jax_rule, saveable, unks_in, inst_in, eqn):
 
 
 _jax_patches.register('while_remat_rule', _while_partial_eval_custom)
+
+
+# ----------------------------------------------------------------------------
+# while under linearize: the staged copy collects nothing.
+#
+# ``jax.linearize`` (and ``jax.jvp`` of a partially known loop) splits a
+# ``while_loop`` with JAX's ``_while_partial_eval``: it runs the known part of
+# the loop now and stages the whole loop again, primal and tangent, into the
+# linear function, so a sow in the body would be collected again each time
+# the linear function is applied. Where the known loop runs, the staged
+# loop's sows become remat copies.
+
+
+def _known_loop(tracers, params):
+  """The known part of the loop JAX's rule runs: ``(known cond, known body,
+  carry_uk)``, the body returning only the known carries; ``None`` where it
+  runs none (every input known or unknown, or an unknown predicate)."""
+  unknowns = [not t.pval.is_known() for t in tracers]
+  if all(unknowns) or not any(unknowns):
+    return None
+  n_cc, n_bc = params['cond_nconsts'], params['body_nconsts']
+  cond_uk, body_uk = unknowns[:n_cc], unknowns[n_cc : n_cc + n_bc]
+  carry_uk = unknowns[n_cc + n_bc :]
+  for _ in range(1 + len(carry_uk)):
+    known, _, out_uk, _ = _jax.partial_eval_jaxpr_nounits(
+        params['body_jaxpr'], body_uk + carry_uk, instantiate=carry_uk
+    )
+    if out_uk == carry_uk:
+      break
+    carry_uk = [a or b for a, b in zip(carry_uk, out_uk)]
+  cond_known, _, [pred_uk], _ = _jax.partial_eval_jaxpr_nounits(
+      params['cond_jaxpr'], cond_uk + carry_uk, instantiate=False
+  )
+  if pred_uk:
+    return None
+  n_known = len(carry_uk) - sum(carry_uk)
+  known = known.replace(
+      jaxpr=known.jaxpr.replace(outvars=known.jaxpr.outvars[:n_known])
+  )
+  return cond_known, known, carry_uk
+
+
+def _staged_sow_names(jaxpr: _jax.Jaxpr) -> collections.Counter:
+  """How many staged (collectible) sows of each name ``jaxpr`` holds."""
+  return collections.Counter(
+      s.name for s in sow_sites(jaxpr) if s.eqn.params['effect']
+  )
+
+
+def _while_partial_eval(jax_rule, trace, *tracers, **params):
+  body = params['body_jaxpr']
+  if not holds_staged_sow(body.jaxpr):
+    return jax_rule(trace, *tracers, **params)
+  split = _known_loop(tracers, params)
+  if split is None:
+    return jax_rule(trace, *tracers, **params)
+  cond_known, body_known, carry_uk = split
+  in_known = _staged_sow_names(body_known.jaxpr)
+  if not in_known:
+    # The sows read unknown carries (or scan's hoisting keeps them in the
+    # loop): only the staged loop runs them.
+    return jax_rule(trace, *tracers, **params)
+  if in_known != _staged_sow_names(body.jaxpr):
+    name = next(iter(_staged_sow_names(body.jaxpr) - in_known))
+    raise NotImplementedError(
+        f'sow {name!r}: inside a `lax.while_loop` that JAX splits into a'
+        ' known and a staged part (jax.linearize or jax.jvp with some'
+        ' carries known), some of its sows read known values and others'
+        ' unknown ones, so the capture cannot collect each once. Sow values'
+        ' that depend on the same carries, or sow after the loop.'
+    )
+  # JAX's rule, with the staged loop's sows as copies (they ran in the known
+  # loop): the known part of the loop runs now, and the whole loop is
+  # staged for the unknown carries.
+  n_cc, n_bc = params['cond_nconsts'], params['body_nconsts']
+  uk = [not t.pval.is_known() for t in tracers]
+  known_ins = [
+      t.pval.get_known()
+      for t, u in zip(tracers, uk[: n_cc + n_bc] + carry_uk)
+      if not u
+  ]
+  known_outs = _jax.while_p.bind(
+      *known_ins,
+      cond_nconsts=n_cc - sum(uk[:n_cc]),
+      cond_jaxpr=cond_known,
+      body_nconsts=n_bc - sum(uk[n_cc : n_cc + n_bc]),
+      body_jaxpr=body_known,
+  )
+  staged = trace.default_process_primitive(
+      _jax.while_p,
+      tracers,
+      dict(
+          params,
+          body_jaxpr=without_staged_sows(body),
+          cond_jaxpr=without_staged_sows(params['cond_jaxpr']),
+      ),
+  )
+  # Each known carry from the known loop, each unknown one from the staged.
+  known_outs = iter(known_outs)
+  return [s if u else next(known_outs) for s, u in zip(staged, carry_uk)]
+
+
+_jax_patches.register('while_partial_eval', _while_partial_eval)

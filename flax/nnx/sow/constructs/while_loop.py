@@ -21,21 +21,14 @@ What a sow inside does:
   since the number of entries is not known when the program is staged.
 * **Intervene**: a callable replacement is applied in the body; an array
   replacement raises (there is no row per iteration to feed).
-* **Under ``jax.checkpoint``**: JAX keeps the known loop and stages the
-  whole loop again for the recomputation; the copy's sows are collected
-  nowhere (``partial_eval.py``).
-* **Split by ``jax.linearize`` inside the capture or intervene**: JAX runs
-  the known part of the loop now and stages the whole loop again into the
-  linear function, a copy no rule can tell from a loop that runs once. The
-  known part's sows carry ``partial_eval.KNOWN_PART``: a sow the capture
-  or intervene takes there raises ``NotImplementedError``. ``jax.jvp``
-  (and ``jacfwd``) do not split the loop, and ``jax.linearize`` around the
-  capture sees no sow.
+* **Under ``jax.checkpoint``/``jax.linearize``/``jax.jvp``**: JAX keeps
+  the known loop and stages the whole loop again; the copy's sows are
+  collected nowhere (``partial_eval.py``).
 """
 
 from __future__ import annotations
 
-import typing as tp
+
 
 from flax.nnx.sow import _jax
 from flax.nnx.sow import loop_index
@@ -106,7 +99,6 @@ def bind_while(eqn: _jax.JaxprEqn, invals, cond, body, *, carry=()):
 
 def _while_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
   cond, body = eqn.params['cond_jaxpr'], eqn.params['body_jaxpr']
-  _check_not_split(eqn, collector.accepts_site)
   _check_collectible(collector, cond, body)
   # A predicate that varies over mesh axes (inside shard_map) makes every
   # accumulator the loop carries vary over them.
@@ -119,35 +111,6 @@ def _while_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
   outs, acc_out = bind_while(eqn, invals, cond, rewritten, carry=acc_in)
   collector.absorb(layout, acc_out)
   return outs
-
-
-split_loop_sites: list[tp.Callable[[_jax.Jaxpr], list]] = []
-"""``find(jaxpr) -> sites``: the sows of a loop's ``cond``/``body`` that show
-the loop is the known part of one JAX's partial evaluation split
-(``constructs/partial_eval.py`` registers ``known_part_sites``)."""
-
-
-def _check_not_split(eqn: _jax.JaxprEqn, takes) -> None:
-  """Raises for a sow ``takes`` accepts in a loop that is the known part of
-  one JAX's partial evaluation split (:data:`split_loop_sites`)."""
-  for key in ('cond_jaxpr', 'body_jaxpr'):
-    sites = [s for f in split_loop_sites for s in f(eqn.params[key].jaxpr)]
-    for site in sites:
-      if takes(site):
-        raise NotImplementedError(
-            f'sow {site.name!r}{site.where} is inside a `lax.while_loop`'
-            ' that `jax.linearize` splits inside the capture or intervene:'
-            ' JAX runs the known part of the loop now and'
-            ' stages the whole loop again into the linear function, a copy'
-            ' that cannot be told from a loop that runs once, so its sows'
-            ' would run again each time the linear function is applied.'
-            ' Linearize a function that calls the capture instead'
-            ' (`jax.linearize(lambda x: capture(f)(x), x)`), use `jax.jvp`'
-            ' or `jax.jacfwd` (they do not split the loop), or sow after'
-            ' the loop. (JAX change that would lift this: a mark on the'
-            ' copy of the loop its partial evaluation stages; see'
-            ' docs/upstream.md.)'
-        )
 
 
 def _check_collectible(collector: Collector, cond, body) -> None:
@@ -204,7 +167,6 @@ def _plain_in_while_error(site) -> ValueError:
 
 def _while_intervene(injector, eqn, invals):
   p = eqn.params
-  _check_not_split(eqn, lambda s: injector.targets(s.eqn.params))
   for key in ('cond_jaxpr', 'body_jaxpr'):
     counts = injector.consumed(p[key].jaxpr)
     if any(counts.values()):

@@ -158,7 +158,7 @@ user_context = source_info_util.user_context
 current_name_stack = source_info_util.current_name_stack
 
 
-def transforms_in(name_stack, transform: str) -> int:  # PR: custom
+def transforms_in(name_stack, transform: str) -> int:  # PR: shard_map
   """How many ``transform`` transforms (``'vmap'``, ``'jvp'``)
   ``name_stack`` (an equation's, or :func:`current_name_stack`) records:
   ``jax.vmap`` pushes ``vmap`` while it traces its function, and

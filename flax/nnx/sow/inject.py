@@ -83,7 +83,7 @@ intervene_rules: dict[_jax.Primitive, Rule] = {}
 its sub-jaxprs named in the injector's values return their replacements.
 """
 
-program_checks: list[tp.Callable[[_jax.Jaxpr, tp.Callable], None]] = []  # PR: custom
+program_checks: list[tp.Callable[[_jax.Jaxpr, tp.Callable], None]] = []  # PR: linear_solve
 """``check(jaxpr, takes)`` for each program ``intervene`` stages, before it
 counts the entries each sow consumes: raises where a construct cannot
 replace a sow ``takes(site)`` accepts (a refusal a rule would make only
@@ -967,7 +967,7 @@ def _stage_and_intervene(f, accepts_key, values, strict, token, args, kwargs):
     values = values.per_name(staged.closed.jaxpr, accepts_key, strict)
   injector = Injector(accepts_key, values, strict, token, key)
   closed = staged.closed
-  for check in program_checks:  # PR: custom
+  for check in program_checks:  # PR: linear_solve
     check(closed.jaxpr, lambda s: injector.targets(s.eqn.params))
   injector.check_sites(closed.jaxpr)
   outs = eval_intervening(closed.jaxpr, closed.consts, staged.arrays, injector)

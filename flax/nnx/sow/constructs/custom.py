@@ -66,7 +66,6 @@ from flax.nnx.sow.inject import eval_intervening
 from flax.nnx.sow.inject import intervene_rules
 from flax.nnx.sow.inject import one_body
 from flax.nnx.sow.inject import one_scope
-from flax.nnx.sow.inject import program_checks
 from flax.nnx.sow import intervening  # pylint: disable=unused-import
 from flax.nnx.sow.primitive import VALUE_KINDS
 from flax.nnx.sow.primitive import last_sow_bound
@@ -376,46 +375,6 @@ def _rule_with_replacements(
           ' backward rule.'
       )
   return eval_intervening(closed.jaxpr, closed.consts, args, injector)
-
-
-def _check_discarded_calls(jaxpr: _jax.Jaxpr, takes, jvped=False) -> None:
-  """Raises for a sow ``takes`` accepts in a ``custom_jvp``/``custom_vjp``
-  call of ``jaxpr`` (or its sub-jaxprs) that is differentiated and whose
-  outputs nothing uses; ``intervene`` runs it on the program it stages
-  (``inject.program_checks``).
-
-  Differentiated inside ``intervene``, JAX runs the custom rule instead of
-  the function. A rule that calls the function but returns a primal it
-  computes itself stages that call with its outputs unused: the sow in it
-  runs (so the names check out) and is replaced, but the replacement never
-  reaches the result.
-  """
-  used = {v for e in jaxpr.eqns for v in e.invars if isinstance(v, _jax.Var)}
-  used.update(v for v in jaxpr.outvars if isinstance(v, _jax.Var))
-  for eqn in jaxpr.eqns:
-    now = jvped or _jax.transforms_in(eqn.source_info.name_stack, 'jvp') > 0
-    if (
-        now
-        and eqn.primitive in (_jax.custom_jvp_call_p, _jax.custom_vjp_call_p)
-        and not any(v in used for v in eqn.outvars)
-    ):
-      for site in sow_sites(eqn.params['call_jaxpr'].jaxpr):
-        if takes(site):
-          kind = construct_names[eqn.primitive]
-          raise NotImplementedError(
-              f'intervene: sow {site.name!r}{site.where} is inside a {kind}'
-              ' function that is differentiated inside intervene, so JAX'
-              ' runs its custom rule, and the rule calls the function but'
-              ' does not use its output: the replacement would not reach'
-              ' the result. Return the output of the call as the primal in'
-              ' the rule (`y = f(x); return y, ...`), or differentiate a'
-              ' function that calls intervene instead.'
-          )
-    for sub in _jax.jaxprs_in_params(eqn.params):
-      _check_discarded_calls(sub, takes, now)
-
-
-program_checks.append(_check_discarded_calls)
 
 
 collect_rules[_jax.custom_jvp_call_p] = _custom_jvp_capture

@@ -44,10 +44,6 @@ def zero_count():
   return jnp.int32(0)
 
 
-def zero_float():
-  return jnp.float32(0.0)
-
-
 def count_step():
   sow(jnp.int32(1), name='steps', reduce_fn=add, init_fn=zero_count)
 
@@ -989,7 +985,7 @@ class LinearizedFunctionTest(parameterized.TestCase):
     def f(x):
       def body(c):
         d = jax.jvp(
-            lambda c: sow(c**2, name='sq', reduce_fn=add, init_fn=zero_float),
+            lambda c: sow(c**2, name='sq', reduce_fn=add, init_fn=zero_total),
             (c,),
             (1.0,),
         )[1]
@@ -1012,7 +1008,7 @@ class LinearizedFunctionTest(parameterized.TestCase):
     # loop, and the copy's tangent is unused (found by the same review).
     def loss(x, w):
       def body(c):
-        sow(c, name='csum', reduce_fn=add, init_fn=zero_float)
+        sow(c, name='csum', reduce_fn=add, init_fn=zero_total)
         return jax.lax.stop_gradient(1.5 * c + w)
 
       c = jax.lax.while_loop(

@@ -323,6 +323,7 @@ def _with_original_tangents(eqn, others, bind):
   lengths = eqn.params['const_lengths']
   n_matvec = lengths.matvec
   n_consts = sum(lengths)
+  n_x = len(eqn.invars) - n_consts  # one ``x`` leaf per ``b`` leaf
   tangent_eqn = dict(
       eqn.params,
       jaxprs=others._replace(solve=without_staged_sows(others.solve)),
@@ -338,7 +339,6 @@ def _with_original_tangents(eqn, others, bind):
     # The primal through ``replaced`` itself: a derivative of this rule
     # (forward over forward) applies it again, not JAX's.
     outs = replaced(invals, consts, reps)
-    n_x = len(invals) - n_consts
     x = outs[:n_x]
     matvec_consts, dots = invals[:n_matvec], tangents[0]
     _, dA_x = jax.jvp(

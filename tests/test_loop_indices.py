@@ -230,6 +230,37 @@ class ErrorsTest(absltest.TestCase):
     with self.assertRaisesRegex(RuntimeError, 'outside a callable'):
       intervene(lambda x: sow(x, name='a') + loop_indices()[0], {})(1.0)
 
+  def test_an_index_past_the_loops_names_the_sow(self):
+    def at_outer_row(v):
+      return v * loop_indices()[0]
+
+    for wrap in (lambda g: g, jax.jit):
+      with self.assertRaisesRegex(
+          IndexError, r"loop_indices\(\)\[0\]: sow 't' is in no loop"
+      ):
+        wrap(intervene(lambda x: sow(x, name='t') * 2.0, {'t': at_outer_row}))(
+            1.0
+        )
+      with self.assertRaisesRegex(
+          IndexError, r"\[1\]: sow 'x' is inside 1 loop\(s\)"
+      ):
+        wrap(intervene(_cumulative, {'x': lambda v: v * loop_indices()[1]}))(
+            jnp.ones(3)
+        )
+    # In range, and as a pytree and a sequence, it is the plain tuple.
+    seen = []
+
+    def fn(v):
+      idx = loop_indices()
+      seen.append((idx[0], jax.tree.leaves(idx), idx[-1:], len(idx)))
+      return v * (idx[0] + 1)
+
+    out = intervene(_cumulative, {'x': fn})(jnp.ones(3))
+    self.assertEqual(float(out), _cumulative_by_hand([1.0, 2.0, 3.0]))
+    (row, leaves, tail, n), = seen
+    self.assertIs(leaves[0], row)
+    self.assertEqual((tail, n), ((row,), 1))
+
   def test_while_loop_names_the_sow_and_the_loop(self):
     def f(x):
       return jax.lax.while_loop(

@@ -132,6 +132,36 @@ class ModuleOutputsTest(absltest.TestCase):
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
     self.assertIn(('grad', 'blocks', 1, '__call__'), c.cotangents)
 
+  def test_a_hook_with_grad_hook_points_applies_once(self):
+    # With grad=True every output also carries a gradient marker; a hook
+    # treats each module output once (steering block 1's mlp by 1.5 here),
+    # and the gradient name is not a key intervene replaces.
+    f = module_outputs(_forward, nnx.Linear, grad=True)
+    name = ('blocks', 1, 'mlp', '__call__')
+    mlp1 = _by_hand(self.model, self.x)['mlp1']
+    ref = _by_hand(self.model, self.x, mlp1=1.5 * mlp1)['out']
+    steer = lambda n, v: 1.5 * v if n == name else v
+    for wrap in (lambda f: f, jax.jit):
+      out = wrap(intervene(f, steer))(self.model, self.x)
+      np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+      with self.assertRaisesRegex(ValueError, 'collects the gradient at'):
+        wrap(intervene(f, {('grad', *name): (mlp1,)}))(self.model, self.x)
+
+  def test_a_module_instance_as_the_selector_is_a_type_error(self):
+    with self.assertRaisesRegex(
+        TypeError,
+        r'got a Model instance\. To select the calls of that one module,'
+        r' pass modules=lambda path, m: m is that_module; to select its'
+        r' class, modules=Model\.',
+    ):
+      module_outputs(_forward, self.model)
+    # The suggested predicate selects that module's calls alone.
+    head = self.model.head
+    f = module_outputs(_forward, lambda path, m: m is head)
+    out, c = capture(f)(self.model, self.x)
+    self.assertEqual(list(c), [('head', '__call__')])
+    np.testing.assert_allclose(c[('head', '__call__')][0], out)
+
   def test_input_hook_points_ablate_one_head(self):
     attn = self.model.blocks[0].attn
     e = self.model.embed(self.x)

@@ -240,7 +240,9 @@ def sow(
       there, next to the value under ``name`` (attribution patching from one
       marker per site). ``intervene`` replaces the value under ``name``; the
       cotangent is then the one at the replacement (none for a constant
-      replacement, which the differentiated inputs do not reach).
+      replacement, which the differentiated inputs do not reach). The
+      gradient name is not a value: ``intervene`` refuses it as a key
+      (``ValueError``) and its hooks see only ``name``.
 
   Returns:
     ``value``, unchanged.
@@ -263,7 +265,8 @@ def sow(
     )
   out = sow_site(value, name, tag, reduce_fn, init_fn, fixed_type=True)
   if grad:  # PR: perturb
-    out = perturb(out, name=names.grad_name(check_name(name)), tag=tag)
+    name = check_name(name)
+    out = _perturb(out, names.grad_name(name), tag, grad_of=name)
   return out
 
 
@@ -356,7 +359,14 @@ def perturb(  # PR: perturb
     OverflowError: for an integer leaf too large for its JAX dtype, as
       :func:`~flax.nnx.sow.sow`.
   """
-  name = check_name(name, 'perturb')
+  return _perturb(value, check_name(name, 'perturb'), tag)
+
+
+def _perturb(  # PR: perturb
+    value: tp.Any, name: Name, tag: tp.Hashable, grad_of: Name | None = None
+) -> tp.Any:
+  """:func:`perturb` of a checked ``name``; ``grad_of`` names the sow whose
+  ``grad=True`` marker this is (``intervene`` does not replace it)."""
   check_tag(tag, name, 'perturb')
   leaves, treedef = array_leaves(value, name, 'perturb')
   if is_eager():
@@ -369,6 +379,7 @@ def perturb(  # PR: perturb
       treedef=treedef,
       kind='perturb',
       ordinal=next(_ORDINALS),
+      grad_of=grad_of,
   )
   out = same_objects(value, out)  # PR: toplevel
   return unflatten(treedef, out)

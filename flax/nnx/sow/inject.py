@@ -199,6 +199,7 @@ class Injector:
     name, kind = params['sow_name'], params['kind']
     return (
         not params['remat_copy']
+        and params.get('grad_of') is None
         and name in self.values
         and (
             kind in _REPLACEABLE_KINDS
@@ -341,6 +342,7 @@ class Injector:
   def check_sites(self, jaxpr: _jax.Jaxpr) -> None:
     """Checks before anything runs: no reduced name is replaced; with
     ``strict``, every name is sown somewhere in the program."""
+    refuse_gradient_names(jaxpr, self.values)
     sites = [s for s in sow_sites(jaxpr) if self.targets(s.eqn.params)]
     for s in sites:
       if s.reduction is not None:
@@ -788,7 +790,10 @@ def intervene(
   Returns:
     ``g`` with ``g(*args, **kwargs)`` returning what ``f`` returns.
     Differentiable with respect to ``values``: the gradient at a replaced
-    entry equals the cotangent ``perturb`` collects at that sow. A
+    entry is the partial derivative with the other replaced entries held
+    fixed; it equals the cotangent ``perturb`` collects at that sow (the
+    total derivative, which attribution patching uses) where the replaced
+    sites do not feed each other. A
     derivative taken inside ``f`` is that of the replaced program (an array
     replacement is a constant; a callable contributes its derivative).
 
@@ -798,7 +803,9 @@ def intervene(
       ``strict``, an unknown name or a wrong number of entries; an array
       replacement for a sow inside ``lax.while_loop`` (pass a callable);
       with ``strict=False``, a sow differentiated inside ``f`` that its
-      entries do not reach.
+      entries do not reach; a key (or a ``names=`` entry) that is the
+      gradient name of a ``sow(..., grad=True)`` (it holds cotangents:
+      replace the sow's own name; a hook never sees it).
     TypeError: ``values`` or one of its entries of the wrong type, or
       ``names`` with a mapping of values.
     NotImplementedError: a replaced sow inside a construct with no
@@ -871,9 +878,37 @@ def replaceable_sites(jaxpr: _jax.Jaxpr, accepts_key) -> list:
       s
       for s in sow_sites(jaxpr)
       if not s.eqn.params['remat_copy']
+      and s.eqn.params.get('grad_of') is None
       and s.eqn.params['kind'] in _REPLACEABLE_KINDS
       and accepts(accepts_key, s.eqn.params['tag'], None, 'value', s.name)
   ]
+
+
+def refuse_gradient_names(
+    jaxpr: _jax.Jaxpr, names: tp.Container, what: str = 'values has'
+) -> None:
+  """Raises if ``names`` holds the gradient name of a ``sow(...,
+  grad=True)`` in ``jaxpr``.
+
+  That name holds the cotangent at the sow, not a value: its marker passes
+  the sow's value through, so replacing it would silently replace the sown
+  value under another name (a capture's gradient entries patched in as
+  values). Hooks selected by a predicate skip such markers.
+
+  Raises:
+    ValueError: naming the gradient name and the sow to replace instead.
+  """
+  for s in sow_sites(jaxpr):
+    of = s.eqn.params.get('grad_of')
+    if of is not None and s.name in names:
+      raise ValueError(
+          f'intervene: {what} {s.name!r}, the name under which'
+          f' sow(..., name={of!r}, grad=True){s.where} collects the gradient at'
+          ' that sow: it holds cotangents, not values, so there is nothing of'
+          f' its own to replace. To replace the sown value, use {of!r}'
+          ' (capture returns its values under that name); drop'
+          f' {s.name!r}.'
+      )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -889,6 +924,7 @@ class Hook:
     sites = replaceable_sites(jaxpr, accepts_key)
     sown = list(dict.fromkeys(s.name for s in sites))
     if isinstance(self.names, frozenset):
+      refuse_gradient_names(jaxpr, self.names, 'names= lists')
       chosen = self._listed(sown, strict)
     else:
       # A predicate selects silently; reduced names have no value to hook.

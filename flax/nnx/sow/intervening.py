@@ -82,6 +82,7 @@ class Intervening:
     return (
         (self.names is None or params['sow_name'] in self.names)
         and params['kind'] in ('value', 'perturb', KEPT)
+        and params.get('grad_of') is None
         and (self.tags is None or params['tag'] in self.tags)
     )
 

@@ -103,6 +103,8 @@ def loop_indices() -> tuple[tp.Any, ...]:
 
   Raises:
     RuntimeError: outside a callable that ``intervene`` applies.
+    IndexError: subscripting the result past the loops around the sow (it
+      names the sow and says how many loops it is in).
     ValueError: for a sow inside a ``lax.while_loop`` (or a ``fori_loop``
       with traced bounds), whose iterations have no index: carry a counter
       and sow it, or use a ``scan``/``fori_loop`` with static bounds.
@@ -126,7 +128,40 @@ def loop_indices() -> tuple[tp.Any, ...]:
       raise IndexNeeded(frame)
     frame.reads += 1
     indices.append(frame.index)
-  return tuple(indices)
+  return LoopIndices(indices, _STATE.sites[-1])
+
+
+class LoopIndices(tuple):
+  """What :func:`loop_indices` returns: a tuple of the indices whose
+  out-of-range subscript says which sow has no such loop."""
+
+  def __new__(cls, indices: tp.Iterable[tp.Any], site: str):
+    out = super().__new__(cls, indices)
+    out.site = site
+    return out
+
+  def __getitem__(self, i):
+    try:
+      return super().__getitem__(i)
+    except IndexError:
+      if not self:
+        raise IndexError(
+            f'loop_indices()[{i}]: sow {self.site} is in no loop, so'
+            ' loop_indices() is (). A hook that also serves sows outside'
+            ' loops can test len(loop_indices()) first.'
+        ) from None
+      raise IndexError(
+          f'loop_indices()[{i}]: sow {self.site} is inside {len(self)}'
+          f' loop(s), so loop_indices() has {len(self)} index(es), the'
+          ' outermost loop first.'
+      ) from None
+
+
+jax.tree_util.register_pytree_node(
+    LoopIndices,
+    lambda t: (tuple(t), t.site),
+    lambda site, children: LoopIndices(children, site),
+)
 
 
 @contextlib.contextmanager

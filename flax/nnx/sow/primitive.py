@@ -115,6 +115,10 @@ sow_p.multiple_results = True
 #   grows with every ``perturb`` call traced (``api.py``), so that a
 #   capture can tell the backward passes of one name apart and put their
 #   cotangents in call order (``Collector.result``).
+# * ``grad_of`` (only on the ``perturb`` marker of ``sow(..., grad=True)``):
+#   the name of that sow. The marker's name holds the sow's gradient, not a
+#   value, so ``intervene`` never replaces it (``inject.py``): the sow itself
+#   is replaced under its own name.
 # * ``differentiated`` (only on a ``perturb``'s marker, once its JVP rule
 #   has routed its tangent): a ``jax.vmap`` around that differentiation
 #   (``jax.jacfwd``, ``jax.vmap(jax.grad(f))``) leaves the marker unbatched
@@ -279,11 +283,14 @@ def bind_sow(
     batch_dims: int = 0,
     closure: tp.Sequence[tp.Any] = (),
     ordinal: int | None = None,  # PR: perturb
+    grad_of: Name | None = None,  # PR: perturb
 ) -> list[tp.Any]:
   """Binds ``sow_p`` (effectful while a capture stages)."""
   extra = {}
   if ordinal is not None:  # PR: perturb
     extra['ordinal'] = ordinal
+  if grad_of is not None:  # PR: perturb
+    extra['grad_of'] = grad_of
   _BOUND.count, _BOUND.last = _BOUND.count + 1, name  # PR: custom
   return sow_p.bind(
       *leaves,

@@ -121,6 +121,17 @@ def _selector(modules) -> Selector:
       isinstance(modules, tuple) and all(isinstance(t, type) for t in modules)
   ):
     return lambda path, module: isinstance(module, modules)
+  if isinstance(modules, nnx.Module):
+    # Callable, but a model, not a predicate: it would be called with
+    # (path, module) inside the user's __call__ and fail there.
+    raise TypeError(
+        'module_outputs: modules must be True (every module), a Module class'
+        ' or a tuple of classes (isinstance), or a predicate'
+        f' (path, module) -> bool, got a {type(modules).__name__} instance.'
+        ' To select the calls of that one module, pass'
+        ' modules=lambda path, m: m is that_module; to select its class,'
+        f' modules={type(modules).__name__}.'
+    )
   if callable(modules):
     return modules
   raise TypeError(

@@ -300,6 +300,103 @@ class AttentionWeightsTest(absltest.TestCase):
         replaced(q, k), flax_hooks.original('attention_weights')(q, k))
 
 
+def _scores_by_hand(attn, x, mask=None):
+  """The scaled query-key products per head, masked as Flax masks them."""
+  q, k = attn.query(x), attn.key(x)
+  logits = jnp.einsum('bqhd,bkhd->bhqk', q, k) / np.sqrt(q.shape[-1])
+  if mask is not None:
+    logits = jnp.where(mask, logits, np.finfo(np.float32).min)
+  return logits
+
+
+class AttentionScoresTest(absltest.TestCase):
+  """``attention_scores=True``: the logits before the softmax."""
+
+  def setUp(self):
+    super().setUp()
+    self.attn = nnx.MultiHeadAttention(
+        num_heads=2, in_features=4, qkv_features=4, decode=False,
+        rngs=nnx.Rngs(2))
+    self.x = jnp.linspace(-1.0, 1.0, 40).reshape(2, 5, 4)
+    self.mask = nnx.make_causal_mask(jnp.ones((2, 5)))
+    self.name = ('__call__', 'attention_scores')
+
+  def test_captured_scores_and_unchanged_output(self):
+    attn, x = self.attn, self.x
+    for mask in (None, self.mask):
+      f = module_outputs(lambda m, x, mask=mask: m(x, mask=mask),
+                         attention_scores=True, attention_weights=True)
+      for wrap in (lambda g: g, jax.jit):
+        out, c = wrap(capture(f))(attn, x)
+        np.testing.assert_allclose(out, attn(x, mask=mask), rtol=1e-5,
+                                   atol=1e-6)
+        (scores,) = c[self.name]
+        self.assertEqual(scores.shape, (2, 2, 5, 5))
+        np.testing.assert_allclose(scores, _scores_by_hand(attn, x, mask),
+                                   rtol=1e-5, atol=1e-6)
+        (weights,) = c[('__call__', 'attention_weights')]
+        np.testing.assert_allclose(
+            weights, jax.nn.softmax(_scores_by_hand(attn, x, mask)),
+            rtol=1e-5, atol=1e-6)
+        # The scores are sown before the weights they give.
+        self.assertLess(list(c).index(self.name),
+                        list(c).index(('__call__', 'attention_weights')))
+
+  def test_replaced_scores_are_what_the_softmax_is_taken_of(self):
+    attn, x = self.attn, self.x
+    f = module_outputs(lambda m, x: m(x), nnx.MultiHeadAttention,
+                       attention_scores=True)
+    # Head 1 attends uniformly to the first three keys; head 0 is untouched.
+    low = np.finfo(np.float32).min
+    first_three = jnp.where(jnp.arange(5) < 3, 0.0, low)
+
+    def uniform(v):
+      return v.at[:, 1].set(first_three)
+
+    weights = jax.nn.softmax(_scores_by_hand(attn, x))
+    weights = weights.at[:, 1].set(jnp.where(jnp.arange(5) < 3, 1 / 3, 0.0))
+    z = jnp.einsum('bhqk,bkhd->bqhd', weights, attn.value(x))
+    by_hand = attn.out(z)
+    for wrap in (lambda g: g, jax.jit):
+      out = wrap(intervene(f, {self.name: uniform}))(attn, x)
+      np.testing.assert_allclose(out, by_hand, rtol=1e-5, atol=1e-6)
+      out = wrap(intervene(f, lambda n, v: uniform(v), names=[self.name]))(
+          attn, x)
+      np.testing.assert_allclose(out, by_hand, rtol=1e-5, atol=1e-6)
+
+  def test_vmapped_and_sow_weights_kept(self):
+    attn, x = self.attn, self.x
+    f = module_outputs(lambda m, x: jax.vmap(lambda r: m(r[None])[0])(x),
+                       attention_scores=True)
+    _, c = capture(f)(attn, x)
+    (scores,) = c[self.name]
+    self.assertEqual(scores.shape, (2, 1, 2, 5, 5))  # vmap axis first
+    np.testing.assert_allclose(scores[:, 0], _scores_by_hand(attn, x),
+                               rtol=1e-5, atol=1e-6)
+    # The caller's own sow_weights=True still sows Flax's Intermediate.
+    g = module_outputs(lambda m, x: m(x, sow_weights=True),
+                       attention_scores=True)
+    _, state = nnx.capture(g, nnx.Intermediate)(attn, x)
+    (sown,) = state['attention_weights'].get_value()
+    np.testing.assert_allclose(sown, jax.nn.softmax(_scores_by_hand(attn, x)),
+                               rtol=1e-5, atol=1e-6)
+
+  def test_dropout_on_raises(self):
+    attn = nnx.MultiHeadAttention(
+        num_heads=2, in_features=4, qkv_features=4, decode=False,
+        dropout_rate=0.5, deterministic=False, rngs=nnx.Rngs(2))
+    f = module_outputs(lambda m, x: m(x, rngs=nnx.Rngs(3)),
+                       attention_scores=True)
+    with self.assertRaisesRegex(
+        NotImplementedError, 'attention dropout on.*model.eval'):
+      capture(f)(attn, self.x)
+    attn.eval()  # deterministic: the scores are a hook point
+    _, c = capture(f)(attn, self.x)
+    np.testing.assert_allclose(c[self.name][0],
+                               _scores_by_hand(attn, self.x),
+                               rtol=1e-5, atol=1e-6)
+
+
 class Stacked(nnx.Module):
 
   def __init__(self, rngs):

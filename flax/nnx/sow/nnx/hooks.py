@@ -48,6 +48,7 @@ import threading
 import typing as tp
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -76,6 +77,7 @@ class _Request:
   grad: bool
   inputs: bool
   attention_weights: bool
+  attention_scores: bool
 
   def wants(self, what: str | None) -> bool:
     """Whether this request makes ``what`` of a selected call a hook point
@@ -83,7 +85,11 @@ class _Request:
     return what is None or getattr(self, _WHAT[what])
 
 
-_WHAT = {'input': 'inputs', 'attention_weights': 'attention_weights'}
+_WHAT = {
+    'input': 'inputs',
+    'attention_weights': 'attention_weights',
+    'attention_scores': 'attention_scores',
+}
 
 
 class _Local(threading.local):
@@ -148,6 +154,7 @@ def module_outputs(
     grad: bool = False,
     inputs: bool = False,
     attention_weights: bool = False,
+    attention_scores: bool = False,
 ) -> tp.Callable[..., tp.Any]:
   """``f`` with the outputs of NNX module calls as hook points.
 
@@ -197,6 +204,17 @@ def module_outputs(
       the same values up to rounding. Only the default ``attention_fn``
       (``nnx.dot_product_attention``) computes weights; with dropout on,
       they are the weights after dropout.
+    attention_scores: also make the attention scores of each selected
+      ``nnx.MultiHeadAttention`` call a hook point, under ``(*path,
+      '__call__', 'attention_scores')``: the logits before the softmax over
+      keys, ``query . key / sqrt(head_dim)`` plus the attention bias, with
+      masked positions at the dtype's lowest finite value (as Flax masks
+      them), shape ``(*batch, heads, q_length, kv_length)``
+      (TransformerLens' ``attn_scores``); a replacement is what the softmax
+      is taken of. As for ``attention_weights``, only the default
+      ``attention_fn`` computes them, and the weights are then computed
+      from the (possibly replaced) scores here, equal to Flax's up to
+      rounding.
 
   Returns:
     A function with ``f``'s signature and return value.
@@ -205,8 +223,13 @@ def module_outputs(
     TypeError: ``modules`` is none of the above.
     ValueError: (when called) a selected module would share its path with
       another module (see ``Module.sow``).
+    NotImplementedError: (when called) ``attention_scores`` of an attention
+      called with dropout on (Flax draws its dropout mask inside the
+      function that computes the scores).
   """
-  request = _Request(_selector(modules), grad, inputs, attention_weights)
+  request = _Request(
+      _selector(modules), grad, inputs, attention_weights, attention_scores
+  )
 
   @functools.wraps(f)
   def hooked(*args, **kwargs):
@@ -365,13 +388,16 @@ _WEIGHTS_SIGNATURE = inspect.signature(
 
 
 def _weights_requested(self) -> bool:
-  """Whether ``self`` is an attention whose weights a request selects."""
+  """Whether ``self`` is an attention whose weights or scores a request
+  selects."""
   if not isinstance(self, nnx.MultiHeadAttention) or not any(
-      r.attention_weights for r in _LOCAL.requests
+      r.attention_weights or r.attention_scores for r in _LOCAL.requests
   ):
     return False
   found = _selecting_request(self)
-  return found is not None and found[1].attention_weights
+  return found is not None and (
+      found[1].attention_weights or found[1].attention_scores
+  )
 
 
 def _with_weights_hooked(method, self, args, kwargs):
@@ -393,8 +419,58 @@ def _attention_weights(original, *args, **kwargs):
     return original(*args, **kwargs)
   if not caller_sows:  # the module was passed for the hook alone
     bound.arguments['module'] = None
-  weights = original(*bound.args, **bound.kwargs)
+  found = _selecting_request(module)
+  if found is not None and found[1].attention_scores:
+    weights = _weights_from_scores(module, bound, caller_sows)
+  else:
+    weights = original(*bound.args, **bound.kwargs)
   return _hook_point(module, weights, 'attention_weights')
+
+
+def _weights_from_scores(module, bound, caller_sows: bool):
+  """The attention weights of ``dot_product_attention_weights``'s
+  arguments ``bound``, with the scores (the logits before the softmax) a
+  hook point of ``module``.
+
+  Raises:
+    NotImplementedError: with attention dropout on.
+  """
+  bound.apply_defaults()
+  a = bound.arguments
+  if not a['deterministic'] and a['dropout_rate'] > 0.0:
+    raise NotImplementedError(
+        'module_outputs(..., attention_scores=True): the'
+        f' {type(module).__name__} is called with attention dropout on'
+        f' (dropout_rate={a["dropout_rate"]}), and Flax draws its dropout'
+        ' mask inside the function that computes the scores, so they'
+        ' cannot be a hook point there. Run it deterministic (model.eval(),'
+        ' or deterministic=True), or use attention_weights=True alone.'
+    )
+  query, key = a['promote_dtype']((a['query'], a['key']), dtype=a['dtype'])
+  dtype = query.dtype
+  heads, kv_heads = query.shape[-2], key.shape[-2]
+  if heads != kv_heads:  # grouped-query attention: consecutive query heads
+    key = jnp.repeat(key, heads // kv_heads, axis=-2)  # share a key head
+  query = query / jnp.sqrt(query.shape[-1]).astype(dtype)
+  scores = jnp.einsum(
+      '...qhd,...khd->...hqk', query, key, precision=a['precision']
+  )
+  if a['bias'] is not None:
+    scores = scores + a['bias']
+  mask = a['mask']
+  if a['is_causal']:
+    causal = jnp.tril(jnp.ones(scores.shape[-2:], dtype))
+    causal = jnp.broadcast_to(
+        causal, scores.shape if mask is None else mask.shape
+    )
+    mask = causal if mask is None else nnx.combine_masks(mask, causal)
+  if mask is not None:
+    scores = jnp.where(mask, scores, jnp.finfo(dtype).min)
+  scores = _hook_point(module, scores, 'attention_scores')
+  weights = jax.nn.softmax(scores).astype(dtype)
+  if caller_sows:  # as Flax does with sow_weights=True
+    module.sow(nnx.Intermediate, 'attention_weights', weights)
+  return weights
 
 
 flax_hooks.register('attention_weights', _attention_weights)

@@ -25,9 +25,10 @@ stream, the model carries the information that decides its answer:
   is ``A`` and the corrupted answer is ``B``);
 * ``capture`` collects the clean residual stream, marked with ``sow`` after
   the embedding and after each layer;
-* activation patching: ``intervene`` runs the corrupted prompts with the
-  clean residual at one (layer, position) cell, for every position at once
-  under ``jax.vmap``, and measures how much of the clean logit difference
+* activation patching: ``patching_grid`` (on ``intervene``) runs the
+  corrupted prompts with the clean residual at one (layer, position) cell,
+  every cell in one batched run, and measures how much of the clean logit
+  difference
   ``logit(A) - logit(B)`` comes back (0 = corrupted, 1 = clean);
 * attribution patching: the first-order estimate of the same map from one
   backward pass, ``(clean - corrupted) . d metric / d residual``, with the
@@ -65,7 +66,7 @@ import optax
 from flax import nnx
 from tqdm import tqdm
 
-from flax.nnx.sow import capture, grad_name, intervene, sow
+from flax.nnx.sow import capture, grad_name, patching_grid, sow
 
 matplotlib.use('Agg')
 from matplotlib import pyplot as plt  # noqa: E402  (after choosing Agg)
@@ -277,23 +278,12 @@ def patching_maps(model: Transformer, clean, corrupted, answer, spare):
       clean_diff - corrupted_diff
   )
 
-  # Activation patching: for one residual name, vmap over the position p.
-  # The replacement is the corrupted residual with the clean one at p; it is
-  # what that sow returns in the corrupted run (upstream of it nothing
-  # changes), so intervene patches exactly one (layer, position) cell.
-  positions = jnp.arange(clean.shape[1])
-  rows = []
-  for name in names:
-    (clean_x,) = clean_resid[name]
-    (corrupted_x,) = corrupted_resid[name]
-
-    def patched(p, name=name, clean_x=clean_x, corrupted_x=corrupted_x):
-      at_p = (positions == p)[None, :, None]
-      values = {name: (jnp.where(at_p, clean_x, corrupted_x),)}
-      return intervene(metric, values)(model, corrupted)
-
-    rows.append(recovered(jax.vmap(patched)(positions)))
-  activation = jnp.stack(rows)
+  # Activation patching: cell (l, p) runs the corrupted prompts with the
+  # residual stream after l layers taking its clean value at position p
+  # (axis 1 of (batch, seq, d_model)); every cell is one batched run.
+  activation = recovered(
+      patching_grid(metric, names, clean_resid, axis=1)(model, corrupted)
+  )
 
   # Attribution patching: one backward pass on the corrupted prompts. The
   # markers' grad=True collects d metric / d residual; the first-order change of

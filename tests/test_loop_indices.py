@@ -18,6 +18,8 @@ Every expected value is the same program written without ``sow``, with the
 patched row replaced by hand (``xs.at[k].set``, a Python loop over layers).
 """
 
+import copy
+
 from absl.testing import absltest
 from absl.testing import parameterized
 from flax import nnx
@@ -234,32 +236,37 @@ class ErrorsTest(absltest.TestCase):
     def at_outer_row(v):
       return v * loop_indices()[0]
 
-    for wrap in (lambda g: g, jax.jit):
-      with self.assertRaisesRegex(
-          IndexError, r"loop_indices\(\)\[0\]: sow 't' is in no loop"
-      ):
-        wrap(intervene(lambda x: sow(x, name='t') * 2.0, {'t': at_outer_row}))(
-            1.0
-        )
-      with self.assertRaisesRegex(
-          IndexError, r"\[1\]: sow 'x' is inside 1 loop\(s\)"
-      ):
-        wrap(intervene(_cumulative, {'x': lambda v: v * loop_indices()[1]}))(
-            jnp.ones(3)
-        )
-    # In range, and as a pytree and a sequence, it is the plain tuple.
-    seen = []
+    cases = [
+        (lambda x: sow(x, name='t') * 2.0, {'t': at_outer_row}, 1.0,
+         "loop_indices(): sow 't' is in no loop, so loop_indices() is ()"),
+        (_cumulative, {'x': lambda v: v * loop_indices()[1]}, jnp.ones(3),
+         "loop_indices(): sow 'x' is inside 1 loop(s)"),
+    ]
+    for f, values, arg, note in cases:
+      for wrap in (lambda g: g, jax.jit):
+        with self.assertRaisesRegex(IndexError, 'tuple index out of range'
+                                   ) as raised:
+          wrap(intervene(f, values))(arg)
+        self.assertTrue(
+            any(n.startswith(note) for n in raised.exception.__notes__),
+            raised.exception.__notes__)
+    # An IndexError of the callable's own is left alone.
+    with self.assertRaises(IndexError) as raised:
+      intervene(_cumulative, {'x': lambda v: v * ()[0]})(jnp.ones(3))
+    self.assertFalse(getattr(raised.exception, '__notes__', []))
 
+  def test_the_indices_are_a_plain_tuple(self):
+    # Mixed with tuples in pytrees, branches and copies, as any tuple is.
     def fn(v):
       idx = loop_indices()
-      seen.append((idx[0], jax.tree.leaves(idx), idx[-1:], len(idx)))
-      return v * (idx[0] + 1)
+      self.assertIs(type(idx), tuple)
+      below = jax.tree.map(lambda i, lim: i < lim, idx, (2,))
+      row = jax.lax.cond(below[0], lambda: idx, lambda: (idx[0] * 0,))
+      return v * (copy.deepcopy(row)[0] + 1)
 
     out = intervene(_cumulative, {'x': fn})(jnp.ones(3))
-    self.assertEqual(float(out), _cumulative_by_hand([1.0, 2.0, 3.0]))
-    (row, leaves, tail, n), = seen
-    self.assertIs(leaves[0], row)
-    self.assertEqual((tail, n), ((row,), 1))
+    # Rows 0 and 1 scaled by 1 and 2, row 2 (not below 2) by 1.
+    self.assertEqual(float(out), _cumulative_by_hand([1.0, 2.0, 1.0]))
 
   def test_while_loop_names_the_sow_and_the_loop(self):
     def f(x):

@@ -151,16 +151,19 @@ class ModuleOutputsTest(absltest.TestCase):
     with self.assertRaisesRegex(
         TypeError,
         r'got a Model instance\. To select the calls of that one module,'
-        r' pass modules=lambda path, m: m is that_module; to select its'
-        r' class, modules=Model\.',
+        r" select its path .*modules=lambda path, m: path == \('blocks', 0\)"
+        r'.*to select its class, modules=Model\.',
     ):
       module_outputs(_forward, self.model)
-    # The suggested predicate selects that module's calls alone.
-    head = self.model.head
-    f = module_outputs(_forward, lambda path, m: m is head)
+    # The suggested path predicate selects that module's calls alone, for
+    # capture and intervene (which calls copies of the model).
+    f = module_outputs(_forward, lambda path, m: path == ('head',))
     out, c = capture(f)(self.model, self.x)
     self.assertEqual(list(c), [('head', '__call__')])
     np.testing.assert_allclose(c[('head', '__call__')][0], out)
+    ref = _by_hand(self.model, self.x)['out']
+    steered = intervene(f, lambda n, v: 2.0 * v)(self.model, self.x)
+    np.testing.assert_allclose(steered, 2.0 * ref, rtol=1e-5, atol=1e-6)
 
   def test_input_hook_points_ablate_one_head(self):
     attn = self.model.blocks[0].attn

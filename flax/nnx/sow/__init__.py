@@ -36,6 +36,7 @@ from flax.nnx.sow.capturing import capture
 from flax.nnx.sow.collect import collect_rules
 from flax.nnx.sow.inject import intervene  # PR: intervene
 from flax.nnx.sow.loop_index import loop_indices  # PR: intervene
+from flax.nnx.sow.patching import patching_grid  # PR: intervene
 from flax.nnx.sow.names import as_path  # PR: name_keys
 from flax.nnx.sow.names import grad_name  # PR: perturb
 from flax.nnx.sow.api import perturb  # PR: perturb
@@ -60,6 +61,7 @@ __all__ = [
     'loop_indices',  # PR: intervene
     'module_outputs',  # PR: nnx_functional
     'nnx_shims',  # PR: nnx
+    'patching_grid',  # PR: intervene
     'perturb',  # PR: perturb
     'sow',
     'sow_p',

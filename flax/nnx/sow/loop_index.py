@@ -70,6 +70,8 @@ class _State(threading.local):
   def __init__(self):
     self.frames: list[Frame] = []
     self.sites: list[str] = []  # the sows whose callables are running
+    # Per running callable: the length of the indices it last asked for.
+    self.asked: list[int | None] = []
 
 
 _STATE = _State()
@@ -103,11 +105,12 @@ def loop_indices() -> tuple[tp.Any, ...]:
 
   Raises:
     RuntimeError: outside a callable that ``intervene`` applies.
-    IndexError: subscripting the result past the loops around the sow (it
-      names the sow and says how many loops it is in).
     ValueError: for a sow inside a ``lax.while_loop`` (or a ``fori_loop``
       with traced bounds), whose iterations have no index: carry a counter
       and sow it, or use a ``scan``/``fori_loop`` with static bounds.
+
+  Subscripting the result past the loops around the sow raises the tuple's
+  ``IndexError``, with a note naming the sow and how many loops it is in.
   """
   if not _STATE.sites:
     raise RuntimeError(
@@ -128,50 +131,40 @@ def loop_indices() -> tuple[tp.Any, ...]:
       raise IndexNeeded(frame)
     frame.reads += 1
     indices.append(frame.index)
-  return LoopIndices(indices, _STATE.sites[-1])
-
-
-class LoopIndices(tuple):
-  """What :func:`loop_indices` returns: a tuple of the indices whose
-  out-of-range subscript says which sow has no such loop."""
-
-  def __new__(cls, indices: tp.Iterable[tp.Any], site: str):
-    out = super().__new__(cls, indices)
-    out.site = site
-    return out
-
-  def __getitem__(self, i):
-    try:
-      return super().__getitem__(i)
-    except IndexError:
-      if not self:
-        raise IndexError(
-            f'loop_indices()[{i}]: sow {self.site} is in no loop, so'
-            ' loop_indices() is (). A hook that also serves sows outside'
-            ' loops can test len(loop_indices()) first.'
-        ) from None
-      raise IndexError(
-          f'loop_indices()[{i}]: sow {self.site} is inside {len(self)}'
-          f' loop(s), so loop_indices() has {len(self)} index(es), the'
-          ' outermost loop first.'
-      ) from None
-
-
-jax.tree_util.register_pytree_node(
-    LoopIndices,
-    lambda t: (tuple(t), t.site),
-    lambda site, children: LoopIndices(children, site),
-)
+  _STATE.asked[-1] = len(indices)
+  return tuple(indices)
 
 
 @contextlib.contextmanager
 def applying(site: str):
-  """Marks a callable of ``intervene`` as running for ``site``."""
+  """Marks a callable of ``intervene`` as running for ``site``.
+
+  An ``IndexError`` of a tuple raised by the callable after it asked for
+  :func:`loop_indices` gets a note that says how many loops the sow is in
+  (``loop_indices()[0]`` at a sow outside any loop, say); the indices stay
+  a plain tuple.
+  """
   _STATE.sites.append(site)
+  _STATE.asked.append(None)
   try:
     yield
+  except IndexError as e:
+    n = _STATE.asked[-1]
+    if n is not None and 'tuple index out of range' in str(e):
+      where = (
+          'is in no loop, so loop_indices() is ()'
+          if n == 0
+          else f'is inside {n} loop(s), so loop_indices() has {n} index(es),'
+          ' the outermost loop first'
+      )
+      e.add_note(
+          f'loop_indices(): sow {site} {where}. A hook that also serves'
+          ' sows outside loops can test len(loop_indices()) first.'
+      )
+    raise
   finally:
     _STATE.sites.pop()
+    _STATE.asked.pop()
 
 
 @contextlib.contextmanager

@@ -134,9 +134,10 @@ def _selector(modules) -> Selector:
         'module_outputs: modules must be True (every module), a Module class'
         ' or a tuple of classes (isinstance), or a predicate'
         f' (path, module) -> bool, got a {type(modules).__name__} instance.'
-        ' To select the calls of that one module, pass'
-        ' modules=lambda path, m: m is that_module; to select its class,'
-        f' modules={type(modules).__name__}.'
+        ' To select the calls of that one module, select its path from the'
+        " captured roots: modules=lambda path, m: path == ('blocks', 0) (not"
+        ' `m is module`: intervene calls copies of the modules passed to'
+        f' it); to select its class, modules={type(modules).__name__}.'
     )
   if callable(modules):
     return modules

@@ -132,9 +132,10 @@ class PerturbInVmappedScanTest(absltest.TestCase):
 
     expected = [backward(float(x)) for x in xs]
     np.testing.assert_allclose(grad, [e[1] for e in expected], rtol=1e-5)
-    # The transposed scan runs after vmap is gone: (steps, batch).
+    # The transposed scan stacks them after vmap is gone, steps first; they
+    # come back (batch, steps), as a value sown there.
     np.testing.assert_allclose(
-        collected['h'][0], np.stack([e[0] for e in expected], 1), rtol=1e-5
+        collected['h'][0], np.stack([e[0] for e in expected], 0), rtol=1e-5
     )
 
 

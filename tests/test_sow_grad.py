@@ -250,3 +250,187 @@ class GradNameIsNotAValueTest(parameterized.TestCase):
 
 if __name__ == '__main__':
   absltest.main()
+
+
+# ----------------------------------------------------------------------------
+# The layout of a cotangent in a loop that a vmap inside the derivative
+# batches: as the value's, mapped axes before the step axes of the loops
+# inside them.
+
+B1, B2, T_OUT, T_IN = 2, 3, 4, 5
+_RNG = np.random.default_rng(7)
+_W = np.float32(0.7)
+
+
+def _site(h, e, mode):
+  """The site: ``sow(h, grad=True)``, ``perturb(h)``, or ``h + e`` (by hand:
+  the gradient with respect to ``e`` is the cotangent at the site)."""
+  if mode == 'sow':
+    return sow(h, name='h', grad=True)
+  if mode == 'perturb':
+    return perturb(h, name=grad_name('h'))
+  return h + e
+
+
+def _scan(body, init, xs, **kwargs):
+  return lax.scan(body, init, xs, **kwargs)[0]
+
+
+def _steps(w, x, e, mode, **kwargs):  # x, e: (T,)
+  def body(c, a):
+    return _site(jnp.sin(w * a[0] + c), a[1], mode), None
+
+  return _scan(body, 0.0, (x, e), **kwargs)
+
+
+def _invariant(w, x, e, mode):  # perturbs 2 w, the same in every step
+  def body(c, a):
+    return c + jnp.sin(_site(w * 2.0, a[1], mode) * a[0]), None
+
+  return _scan(body, 0.0, (x, e))
+
+
+def _checkpointed(w, x, e, mode):
+  @jax.checkpoint
+  def body(c, a):
+    return _site(jnp.sin(w * a[0] + c), a[1], mode), None
+
+  return _scan(body, 0.0, (x, e))
+
+
+def _branches(w, x, e, mode):  # a cond on a batched predicate per step
+  def body(c, a):
+    h = lax.cond(
+        a[0] > 0,
+        lambda: _site(jnp.sin(w * a[0] + c), a[1], mode),
+        lambda: _site(jnp.cos(w * a[0] + c), a[1], mode),
+    )
+    return h, None
+
+  return _scan(body, 0.0, (x, e))
+
+
+def _fori(w, x, e, mode):
+  return lax.fori_loop(
+      0, x.shape[0], lambda i, c: _site(jnp.sin(w * x[i] + c), e[i], mode), 0.0
+  )
+
+
+def _nested(w, x, e, mode):  # x, e: (T_OUT, T_IN)
+  def outer(c, a):
+    return _steps(w, a[0], a[1], mode) + c, None
+
+  return _scan(outer, 0.0, (x, e))
+
+
+def _vmap_between(w, x, e, mode):  # x, e: (T_OUT, B2, T_IN)
+  def outer(c, a):
+    inner = jax.vmap(lambda xi, ei: _steps(w, xi, ei, mode) + c)(a[0], a[1])
+    return c + 0.1 * inner.sum(), None
+
+  return _scan(outer, 0.0, (x, e))
+
+
+def _vmap_inside(w, x, e, mode):  # x, e: (T_OUT, B2): a loop of vmaps
+  def body(c, a):
+    one = lambda xi, ei: _site(jnp.sin(w * xi + c), ei, mode)
+    return c + 0.1 * jax.vmap(one)(a[0], a[1]).sum(), None
+
+  return _scan(body, 0.0, (x, e))
+
+
+def _per_example(one, vmaps=1):
+  def loss(w, xs, eps, mode):
+    f = lambda x, e: one(w, x, e, mode)
+    for _ in range(vmaps):
+      f = jax.vmap(f)
+    return f(xs, eps).sum()
+
+  return loss
+
+
+# (name, loss(w, xs, eps, mode), the layout of xs and of the cotangent)
+LAYOUT_CASES = (
+    ('scan_in_vmap', _per_example(_steps), (B1, T_OUT)),
+    (
+        'reverse_scan_in_vmap',
+        _per_example(lambda *a: _steps(*a, reverse=True)),
+        (B1, T_OUT),
+    ),
+    ('invariant_perturb', _per_example(_invariant), (B1, T_OUT)),
+    ('checkpointed_body', _per_example(_checkpointed), (B1, T_OUT)),
+    ('batched_cond_in_body', _per_example(_branches), (B1, T_OUT)),
+    ('fori_loop_in_vmap', _per_example(_fori), (B1, T_OUT)),
+    ('nested_scans_in_vmap', _per_example(_nested), (B1, T_OUT, T_IN)),
+    (
+        'vmap_scan_vmap_scan',
+        _per_example(_vmap_between),
+        (B1, T_OUT, B2, T_IN),
+    ),
+    ('scan_in_two_vmaps', _per_example(_steps, vmaps=2), (B1, B2, T_OUT)),
+    ('vmap_in_scan', lambda w, x, e, m: _vmap_inside(w, x, e, m), (T_OUT, B2)),
+)
+
+LAYOUT_DERIVATIVES = (
+    ('grad', jax.grad),
+    ('jit_grad', lambda f: jax.jit(jax.grad(f))),
+    ('value_and_grad', lambda f: lambda w: jax.value_and_grad(f)(w)[1]),
+    ('vjp', lambda f: lambda w: jax.vjp(f, w)[1](jnp.float32(1.0))[0]),
+)
+
+
+class LayoutUnderVmappedLoopTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      (f'{c[0]}_{d[0]}', c[1], c[2], d[1])
+      for c in LAYOUT_CASES
+      for d in LAYOUT_DERIVATIVES
+  )
+  def test_cotangent_laid_out_as_the_value(self, loss, shape, derivative):
+    xs = jnp.asarray(_RNG.normal(size=shape), jnp.float32)
+    zeros = jnp.zeros(shape, jnp.float32)
+    expected = jax.grad(lambda e: loss(_W, xs, e, 'by_hand'))(zeros)
+    want_grad = jax.grad(lambda w: loss(w, xs, zeros, 'by_hand'))(_W)
+    for mode in ('sow', 'perturb'):
+      f = lambda w, mode=mode: loss(w, xs, zeros, mode)
+      for wrap in (lambda g: g, jax.jit):
+        grad, collected = wrap(capture(derivative(f)))(_W)
+        np.testing.assert_allclose(grad, want_grad, rtol=1e-5)
+        cotangent = collected[grad_name('h')]
+        self.assertLen(cotangent, 1)
+        self.assertEqual(cotangent[0].shape, shape)
+        np.testing.assert_allclose(cotangent[0], expected, rtol=1e-5,
+                                   atol=1e-6)
+        if mode == 'sow':  # the value, sown where the cotangent is
+          self.assertEqual(collected['h'][0].shape, shape)
+
+  @parameterized.named_parameters(('eager', lambda g: g), ('jit', jax.jit))
+  def test_a_vmap_around_the_derivative_comes_first(self, wrap):
+    # vmap over w of grad of vmap over xs of the loop: (w, xs, steps).
+    ws = jnp.asarray([0.5, 0.7, 0.9], jnp.float32)
+    xs = jnp.asarray(_RNG.normal(size=(B1, T_OUT)), jnp.float32)
+    zeros = jnp.zeros((B1, T_OUT), jnp.float32)
+    loss = _per_example(_steps)
+    f = jax.vmap(jax.grad(lambda w: loss(w, xs, zeros, 'sow')))
+    _, collected = wrap(capture(f))(ws)
+    expected = jax.vmap(
+        lambda w: jax.grad(lambda e: loss(w, xs, e, 'by_hand'))(zeros)
+    )(ws)
+    self.assertEqual(expected.shape, (3, B1, T_OUT))
+    np.testing.assert_allclose(
+        collected[grad_name('h')][0], expected, rtol=1e-5, atol=1e-6
+    )
+    self.assertEqual(collected['h'][0].shape, (3, B1, T_OUT))
+
+  def test_by_hand(self):
+    # One example, two steps: c1 = sin(w x0), c2 = sin(w x1 + c1), L = c2.
+    # dL/dh1 = cos(w x1 + c1) and dL/dh2 = 1, laid out (examples, steps).
+    xs = np.array([[0.3, -0.5], [1.0, 0.2]], np.float32)
+    loss = _per_example(_steps)
+    zeros = jnp.zeros(xs.shape, jnp.float32)
+    _, collected = capture(jax.grad(lambda w: loss(w, xs, zeros, 'sow')))(_W)
+    c1 = np.sin(_W * xs[:, 0])
+    expected = np.stack([np.cos(_W * xs[:, 1] + c1), np.ones(2)], axis=1)
+    np.testing.assert_allclose(
+        collected[grad_name('h')][0], expected, rtol=1e-5
+    )

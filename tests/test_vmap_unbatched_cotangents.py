@@ -145,8 +145,8 @@ def vmap_in_scan(mode):
 
 def scan_in_vmap(mode):
   # eps: (examples, steps, 3); the backward pass runs on the batched scan,
-  # so the cotangents come back (steps, examples, 3) (docs/how_it_works.md,
-  # Limitations), as for a value the vmap batches.
+  # which stacks the cotangents steps first; they come back (examples,
+  # steps, 3), laid out as the value the vmap batches.
   def one(w, x, e):
     def body(c, ei):  # 2 w does not vary over the vmap, c does
       return c + 0.1 * c * jnp.sum(jnp.sin(at(w * 2, ei, mode)) * x), None
@@ -158,20 +158,19 @@ def scan_in_vmap(mode):
 
 TWICE_W = np.stack([2 * W] * 2)  # the value sown, one row per example
 
-# (name, loss, shape of eps, whether the cotangent comes back steps first,
-# the value sown by hand, where it is 2 w or 3 w).
+# (name, loss, shape of eps (the cotangent's layout), the value sown by
+# hand, where it is 2 w or 3 w).
 CASES = (
-    ('plain', plain, (2, 3), False, TWICE_W),
-    ('vmap_in_jit', vmap_in(jax.jit), (2, 3), False, TWICE_W),
-    ('vmap_in_checkpoint', vmap_in(jax.checkpoint), (2, 3), False, TWICE_W),
-    ('jit_in_vmap', in_vmap(jax.jit), (2, 3), False, TWICE_W),
-    ('checkpoint_in_vmap', in_vmap(jax.checkpoint), (2, 3), False, TWICE_W),
-    ('vmap_in_cond', vmap_in_cond, (2, 3), False, TWICE_W),  # w[0] > 0
+    ('plain', plain, (2, 3), TWICE_W),
+    ('vmap_in_jit', vmap_in(jax.jit), (2, 3), TWICE_W),
+    ('vmap_in_checkpoint', vmap_in(jax.checkpoint), (2, 3), TWICE_W),
+    ('jit_in_vmap', in_vmap(jax.jit), (2, 3), TWICE_W),
+    ('checkpoint_in_vmap', in_vmap(jax.checkpoint), (2, 3), TWICE_W),
+    ('vmap_in_cond', vmap_in_cond, (2, 3), TWICE_W),  # w[0] > 0
     (
         'cond_in_vmap_unbatched_predicate',
         cond_in_vmap(lambda w, x: w[0] > 0),
         (2, 3),
-        False,
         TWICE_W,
     ),
     (
@@ -179,15 +178,13 @@ CASES = (
         'cond_in_vmap_batched_predicate',
         cond_in_vmap(lambda w, x: x[0] > -1),
         (2, 3),
-        False,
         np.stack([3 * W, 2 * W]),
     ),
-    ('vmap_in_scan', vmap_in_scan, (STEPS, 2, 3), False, None),
+    ('vmap_in_scan', vmap_in_scan, (STEPS, 2, 3), None),
     (
         'scan_in_vmap',
         scan_in_vmap,
         (2, STEPS, 3),
-        True,
         np.broadcast_to(2 * W, (2, STEPS, 3)),  # sown (examples, steps, ...)
     ),
 )
@@ -269,11 +266,9 @@ class UnbatchedCotangentTest(parameterized.TestCase):
       # Every construct under grad; the other derivatives on a few.
       if d[0] == 'grad' or case[0] in SOME
   )
-  def test_perturb(self, loss, eps_shape, steps_first, value, derivative):
+  def test_perturb(self, loss, eps_shape, value, derivative):
     del value
     expected = expected_cotangent(loss, eps_shape)
-    if steps_first:
-      expected = jnp.swapaxes(expected, 0, 1)
     f = lambda w: loss('perturb')(w, XS, jnp.zeros(eps_shape))
     grad, collected = capture(derivative(f))(W)
     self.assertEqual(list(collected), ['v'])
@@ -288,10 +283,8 @@ class UnbatchedCotangentTest(parameterized.TestCase):
     )
 
   @parameterized.named_parameters(*CASES)
-  def test_sow_grad_true(self, loss, eps_shape, steps_first, value):
+  def test_sow_grad_true(self, loss, eps_shape, value):
     expected = expected_cotangent(loss, eps_shape)
-    if steps_first:
-      expected = jnp.swapaxes(expected, 0, 1)
     f = lambda w: loss('grad')(w, XS, jnp.zeros(eps_shape))
     _, collected = capture(jax.grad(f))(W)
     self.assertEqual(list(collected), ['v', ('grad', 'v')])

@@ -153,12 +153,21 @@ class EntrySpec(tp.NamedTuple):
   # For 'perturb' and 'cotangent': the perturb call's ordinal (api.py), or
   # a cotangents.BranchOrdinal.
   ordinal: tp.Any = None
+  # For 'cotangent': per leading mapped axis of its leaves, the loops of
+  # ``f`` inside that ``vmap`` not yet stacked (see primitive.py).
+  loops_mapped: tuple[int, ...] = ()  # PR: perturb
 
   @classmethod
   def of_sow(cls, p: dict[str, tp.Any], size: int) -> EntrySpec:
     """The entry of a sow with parameters ``p`` that returns ``size`` leaves."""
     return cls(
-        p['sow_name'], p['tag'], p['treedef'], size, p['kind'], p.get('ordinal')
+        p['sow_name'],
+        p['tag'],
+        p['treedef'],
+        size,
+        p['kind'],
+        p.get('ordinal'),
+        p.get('loops_mapped', ()),  # PR: perturb
     )
 
 

@@ -124,6 +124,11 @@ sow_p.multiple_results = True
 #   (``jax.jacfwd``, ``jax.vmap(jax.grad(f))``) leaves the marker unbatched
 #   where its value is (its cotangents are batched where they are sown),
 #   while one inside it broadcasts an unbatched value (``_sow_batch``).
+# * ``loops_mapped`` (only on a ``perturb``'s marker that a ``jax.vmap``
+#   broadcast, and on its cotangent): per leading mapped axis, the
+#   ``lax.scan`` loops between that ``vmap`` and the marker that a capture
+#   has not stacked yet (``with_loops_mapped``); ``pending_loops`` is that
+#   count for the ``vmap`` batching the marker now.
 # * ``zero_tangent`` (only on a sow an ``intervene`` replaces by arrays, once
 #   differentiated inside its function): its tangent was taken to be zero,
 #   so the intervene must replace it (``Injector.on_sow``).
@@ -284,6 +289,7 @@ def bind_sow(
     closure: tp.Sequence[tp.Any] = (),
     ordinal: int | None = None,  # PR: perturb
     grad_of: Name | None = None,  # PR: perturb
+    loops_mapped: tuple[int, ...] = (),  # PR: perturb
 ) -> list[tp.Any]:
   """Binds ``sow_p`` (effectful while a capture stages)."""
   extra = {}
@@ -291,6 +297,8 @@ def bind_sow(
     extra['ordinal'] = ordinal
   if grad_of is not None:  # PR: perturb
     extra['grad_of'] = grad_of
+  if loops_mapped:  # PR: perturb
+    extra['loops_mapped'] = loops_mapped
   _BOUND.count, _BOUND.last = _BOUND.count + 1, name  # PR: custom
   return sow_p.bind(
       *leaves,
@@ -372,6 +380,8 @@ _jax.primitive_transposes[sow_p] = _sow_transpose
 def _sow_batch(axis_data, leaves, dims, **params):
   # The sown value gets the mapped axis first, like vmap's outputs; the
   # results keep the operands' own axes, so the sow stays an identity.
+  if per_example(params):  # PR: perturb
+    params = with_loops_mapped(params)
   outs = bind_mapped_first(axis_data, leaves, dims, params)
   n = len(outs)  # the closure is batched with the value, not returned
   if per_example(params):  # PR: perturb
@@ -400,6 +410,27 @@ def per_example(params: dict[str, tp.Any]) -> bool:  # PR: perturb
       and params['effect']
       and not params.get('differentiated', False)
   )
+
+
+def with_loops_mapped(params: dict[str, tp.Any]) -> dict:  # PR: perturb
+  """The parameters of a ``per_example`` marker that a ``jax.vmap`` batches
+  now: ``loops_mapped`` records, for the new leading axis and those before
+  it, how many ``lax.scan`` loops of ``f`` lie between that ``vmap`` and
+  the marker (``pending_loops``, set by the loops' batching rule in
+  ``constructs/scan.py``; 0 where there is none).
+
+  The cotangent is sown in the transposed loops, which stack it step axis
+  first, before the mapped axes; a capture moves each step axis behind the
+  mapped axes of the ``vmap`` calls outside its loop
+  (``EntrySpec.loops_mapped``), so the cotangent comes back laid out as the
+  sown value, ``(batch, steps, ...)``. An outer ``vmap`` encloses every loop
+  an inner one does, so the counts never grow along the tuple, and the
+  zeros at its end (axes that stay where they are) are dropped.
+  """
+  params = dict(params)
+  loops = (params.pop('pending_loops', 0), *params.pop('loops_mapped', ()))
+  loops = tuple(c for c in loops if c)
+  return dict(params, loops_mapped=loops) if loops else params
 
 
 class _Broadcast(threading.local):  # PR: perturb
@@ -498,6 +529,7 @@ def perturb_tangents(tangents, params) -> list:  # PR: perturb
       tag=params['tag'],
       treedef=params['treedef'],
       ordinal=params.get('ordinal'),
+      loops_mapped=params.get('loops_mapped', ()),
   )
 
 
@@ -510,7 +542,7 @@ def _perturb_tangent_jvp(primals, tangents, **params):  # PR: perturb
 
 
 def _perturb_tangent_transpose(  # PR: perturb
-    cts, *args, sow_name, tag, treedef, ordinal
+    cts, *args, sow_name, tag, treedef, ordinal, loops_mapped
 ):
   cts = [
       _jax.instantiate_zeros(ct) if type(ct) is _jax.Zero else ct for ct in cts
@@ -523,6 +555,7 @@ def _perturb_tangent_transpose(  # PR: perturb
       treedef=treedef,
       kind='cotangent',
       ordinal=ordinal,
+      loops_mapped=loops_mapped,
   )
 
 

@@ -41,8 +41,10 @@ from __future__ import annotations
 
 
 import jax
+import jax.numpy as jnp
 
 from flax.nnx.sow import _jax
+from flax.nnx.sow.collect import EntrySpec
 from flax.nnx.sow.collect import Layout
 from flax.nnx.sow.collect import cached
 from flax.nnx.sow.intervening import replacing
@@ -63,8 +65,19 @@ def has_plain_sows(closed: _jax.ClosedJaxpr) -> bool:
   )
 
 
-def sow_again(layout: Layout, values, dims, axis_size) -> None:
-  """Sows the hoisted entries, with the mapped axis first."""
+def sow_again(
+    layout: Layout, values, dims, axis_size, *, steps: bool = False
+) -> None:
+  """Sows the hoisted entries, with the mapped axis first.
+
+  ``steps``: the entries are a loop's, stacked along a step axis (after the
+  mapped axis), which goes behind the mapped axes of a cotangent's
+  ``loops_mapped`` (:func:`steps_behind_mapped`).
+
+  Raises:
+    NotImplementedError: for a cotangent whose mapped axes would still need
+      a loop outside this construct stacked first (no program we know of).
+  """
   pos = 0
   for spec in layout.entries:
     leaves = [
@@ -74,6 +87,10 @@ def sow_again(layout: Layout, values, dims, axis_size) -> None:
         )
     ]
     pos += spec.size
+    if steps:
+      spec, leaves = steps_behind_mapped(spec, leaves, step_axis=1)
+    if spec.loops_mapped:
+      raise _layout_error(spec)
     bind_sow(
         leaves,
         name=spec.name,
@@ -83,6 +100,38 @@ def sow_again(layout: Layout, values, dims, axis_size) -> None:
         batch_dims=1,
         ordinal=spec.ordinal,
     )
+
+
+def steps_behind_mapped(
+    spec: EntrySpec, leaves: list, *, step_axis: int = 0
+) -> tuple[EntrySpec, list]:
+  """A loop's entry with its step axis (``step_axis``) moved behind the
+  mapped axes its ``spec.loops_mapped`` says lie outside that loop.
+
+  A ``perturb``'s cotangent in ``jax.grad(jax.vmap(g))``, with the perturb in
+  a ``lax.scan`` of ``g``, is sown in the transposed loop with the mapped
+  axis first, and the loop stacks it step axis first: ``(steps, batch,
+  ...)``. Moved, it is ``(batch, steps, ...)``, as the sown value under the
+  same transforms (``scan.py`` hoists that one out of the batched loop).
+  Returns the entry with one loop fewer counted, and its leaves.
+  """
+  mapped = spec.loops_mapped
+  if not mapped:
+    return spec, leaves
+  # Every count is at least 1 (zeros are dropped): every one of these axes
+  # lies outside this loop.
+  leaves = [jnp.moveaxis(x, step_axis, step_axis + len(mapped)) for x in leaves]
+  return spec._replace(loops_mapped=tuple(c - 1 for c in mapped if c > 1)), leaves
+
+
+def _layout_error(spec: EntrySpec) -> NotImplementedError:
+  return NotImplementedError(
+      f'capture: the cotangent of perturb {spec.name!r} is batched by a'
+      ' `jax.vmap` outside a `lax.scan` that encloses it, but that loop is'
+      ' not stacked before the vmap\'s axis is: its layout would not be'
+      ' (batch, steps, ...). Perturb the value inside a loop that the vmap'
+      ' maps directly, or collect the cotangent without the vmap.'
+  )
 
 
 def mark_order(sites) -> None:
@@ -128,12 +177,21 @@ def kept_in_place(closed: _jax.ClosedJaxpr) -> _jax.ClosedJaxpr:
 
 
 def _split_closed(closed):
-  jaxpr = _split_jaxpr(closed.jaxpr)
-  return (
-      closed
-      if jaxpr is closed.jaxpr
-      else _jax.ClosedJaxpr(jaxpr, closed.consts)
-  )
+  return edit_sows(closed, _split)
+
+
+def _split(eqn, depth):
+  del depth
+  p = eqn.params
+  if not _splits(p):
+    return [eqn]
+  mid = [_jax.Var(v.aval) for v in eqn.outvars]
+  # (A plain sow has no closure operands: the kept half's results are the
+  # whole value.)
+  return [
+      eqn.replace(outvars=mid, params=dict(p, kind=KEPT)),
+      eqn.replace(invars=mid, params=dict(p, kind=HOISTED)),
+  ]
 
 
 def _splits(params) -> bool:
@@ -147,23 +205,33 @@ def _splits(params) -> bool:
   )
 
 
-def _split_jaxpr(jaxpr: _jax.Jaxpr) -> _jax.Jaxpr:
+# ----------------------------------------------------------------------------
+# Editing the sow equations of a jaxpr, at any depth.
+
+
+def edit_sows(closed: _jax.ClosedJaxpr, edit, depth: int = 0):
+  """``closed`` with each sow equation ``eqn`` at any depth replaced by the
+  equations ``edit(eqn, loops)`` returns, ``loops`` being ``depth`` plus the
+  ``lax.scan`` loops around ``eqn`` in ``closed``; ``closed`` itself where
+  no equation changes."""
+  jaxpr = _edit_jaxpr(closed.jaxpr, edit, depth)
+  if jaxpr is closed.jaxpr:
+    return closed
+  return _jax.ClosedJaxpr(jaxpr, closed.consts)
+
+
+def _edit_jaxpr(jaxpr: _jax.Jaxpr, edit, depth: int) -> _jax.Jaxpr:
   eqns, changed = [], False
   for eqn in jaxpr.eqns:
     p = eqn.params
     if eqn.primitive is sow_p:
-      if not _splits(p):
-        eqns.append(eqn)
-        continue
-      mid = [_jax.Var(v.aval) for v in eqn.outvars]
-      eqns.append(eqn.replace(outvars=mid, params=dict(p, kind=KEPT)))
-      # (A plain sow has no closure operands: the kept half's results are
-      # the whole value.)
-      eqns.append(eqn.replace(invars=mid, params=dict(p, kind=HOISTED)))
-      changed = True
+      new = edit(eqn, depth)
+      changed = changed or len(new) != 1 or new[0] is not eqn
+      eqns.extend(new)
       continue
     if any(True for _ in _jax.jaxprs_in_params(p)):
-      params = {k: _split_param(v) for k, v in p.items()}
+      inner = depth + (eqn.primitive is _jax.scan_p)
+      params = {k: _edit_param(v, edit, inner) for k, v in p.items()}
       if any(params[k] is not v for k, v in p.items()):
         eqn = eqn.replace(params=params)
         changed = True
@@ -173,14 +241,14 @@ def _split_jaxpr(jaxpr: _jax.Jaxpr) -> _jax.Jaxpr:
   return _jax.edit_jaxpr(jaxpr, eqns, jaxpr.outvars)
 
 
-def _split_param(value):
+def _edit_param(value, edit, depth: int):
   if isinstance(value, _jax.Jaxpr):
-    return _split_jaxpr(value)
+    return _edit_jaxpr(value, edit, depth)
   if isinstance(value, _jax.ClosedJaxpr):
-    return _split_closed(value)
+    return edit_sows(value, edit, depth)
   if isinstance(value, tuple) and any(
       isinstance(v, (_jax.Jaxpr, _jax.ClosedJaxpr)) for v in value
   ):
-    new = tuple(_split_param(v) for v in value)
+    new = tuple(_edit_param(v, edit, depth) for v in value)
     return value if all(a is b for a, b in zip(new, value)) else new
   return value

@@ -33,20 +33,27 @@ What a sow inside does:
 
 from __future__ import annotations
 
+import dataclasses
+
 from flax.nnx.sow import _jax
 from flax.nnx.sow import _jax_patches
 from flax.nnx.sow.collect import Collector
+from flax.nnx.sow.collect import Layout
+from flax.nnx.sow.collect import cached
 from flax.nnx.sow.collect import collect_rules
 from flax.nnx.sow.collect import rewrite_jaxpr
 from flax.nnx.sow.constructs.adapter import carries_moved
 from flax.nnx.sow.constructs.adapter import hoisted
+from flax.nnx.sow.constructs.batched import edit_sows
 from flax.nnx.sow.constructs.batched import has_plain_sows
 from flax.nnx.sow.constructs.batched import kept_in_place
 from flax.nnx.sow.constructs.batched import mark_order
 from flax.nnx.sow.constructs.batched import sow_again
+from flax.nnx.sow.constructs.batched import steps_behind_mapped
 from flax.nnx.sow.inject import intervene_rules
 from flax.nnx.sow.inject import one_body
 from flax.nnx.sow.intervening import staging_captures
+from flax.nnx.sow.primitive import per_example
 from flax.nnx.sow.sites import PLAIN_SOWS
 from flax.nnx.sow.sites import construct_names
 from flax.nnx.sow.sites import sow_sites
@@ -101,8 +108,23 @@ def _scan_capture(collector: Collector, eqn: _jax.JaxprEqn, invals):
   # [acc, consts, carry, xs] -> [carry, ys, entries, acc]
   rewritten, layout, acc_in = collector.prepare(eqn.params['jaxpr'])
   outs, acc_out, entries = bind_scan(eqn, invals, rewritten, carry=acc_in)
+  layout, entries = _steps_placed(layout, entries)
   collector.absorb(layout, [*entries, *acc_out])
   return outs
+
+
+def _steps_placed(layout: Layout, leaves):
+  """The stacked entries of a loop, with each step axis behind the mapped
+  axes outside the loop (:func:`steps_behind_mapped`)."""
+  if not any(spec.loops_mapped for spec in layout.entries):
+    return layout, leaves
+  specs, placed, pos = [], [], 0
+  for spec in layout.entries:
+    spec, moved = steps_behind_mapped(spec, leaves[pos : pos + spec.size])
+    specs.append(spec)
+    placed.extend(moved)
+    pos += spec.size
+  return dataclasses.replace(layout, entries=tuple(specs)), placed
 
 
 def _scan_intervene(injector, eqn, invals):
@@ -119,9 +141,14 @@ construct_names[_jax.scan_p] = '`lax.scan`'
 
 
 def _scan_batcher(jax_rule, axis_data, args, dims, **params):
-  body = params['jaxpr']
-  if not staging_captures() or not has_plain_sows(body):
+  if not staging_captures():
     # Nothing a capture could collect: JAX's rule, unchanged.
+    return jax_rule(axis_data, args, dims, **params)
+  # A perturb that this vmap broadcasts learns how many loops lie between
+  # them (``primitive.with_loops_mapped``).
+  body = _with_loops_pending(params['jaxpr'])
+  params = dict(params, jaxpr=body)
+  if not has_plain_sows(body):
     return jax_rule(axis_data, args, dims, **params)
   # Under intervene, each sow stays in the body (a kept half, which it
   # replaces) and its result is hoisted (``batched.py``).
@@ -135,8 +162,30 @@ def _scan_batcher(jax_rule, axis_data, args, dims, **params):
       axis_data, args, dims, **dict(params, jaxpr=new_body)
   )
   n = len(outs) - layout.num_extra
-  sow_again(layout, outs[n:], out_dims[n:], axis_data.size)
+  sow_again(layout, outs[n:], out_dims[n:], axis_data.size, steps=True)
   return outs[:n], out_dims[:n]
+
+
+def _with_loops_pending(body: _jax.ClosedJaxpr) -> _jax.ClosedJaxpr:
+  if not any(_pending(s.eqn.params) for s in sow_sites(body.jaxpr)):
+    return body
+  return cached(
+      body,
+      ('loops_pending',),
+      lambda: edit_sows(body, _loops_pending, depth=1),
+  )
+
+
+def _pending(params) -> bool:
+  return per_example(params) and 'pending_loops' not in params
+
+
+def _loops_pending(eqn, loops):
+  # The outermost loop this vmap batches marks first; the loops inside it
+  # batch the same marker for the same vmap, and leave it be.
+  if not _pending(eqn.params):
+    return [eqn]
+  return [eqn.replace(params=dict(eqn.params, pending_loops=loops))]
 
 
 _jax_patches.register('scan_batching', _scan_batcher)

@@ -434,3 +434,35 @@ class LayoutUnderVmappedLoopTest(parameterized.TestCase):
     np.testing.assert_allclose(
         collected[grad_name('h')][0], expected, rtol=1e-5
     )
+
+  def test_a_pullback_made_before_the_capture(self):
+    # Its vmap batched the perturb while no capture staged: with the loop
+    # stacking the cotangents, their layout cannot be told, so it raises;
+    # without a loop, or without a vmap, the cotangent is collected.
+    xs = jnp.asarray(_RNG.normal(size=(B1, T_OUT)), jnp.float32)
+    zeros = jnp.zeros((B1, T_OUT), jnp.float32)
+    loss = _per_example(_steps)
+    f = lambda w: loss(w, xs, zeros, 'perturb')
+    _, pullback = jax.vjp(f, _W)
+    with self.assertRaisesRegex(
+        NotImplementedError, r"perturb \('grad', 'h'\).*before the capture"
+    ):
+      capture(pullback)(jnp.float32(1.0))
+    _, linear = jax.linearize(f, _W)
+    transposed = jax.linear_transpose(linear, _W)
+    with self.assertRaisesRegex(NotImplementedError, 'jax.vjp'):
+      capture(transposed)(jnp.float32(1.0))
+
+    _, pullback = jax.vjp(lambda w: _steps(w, xs[0], zeros[0], 'perturb'), _W)
+    _, collected = capture(pullback)(jnp.float32(1.0))
+    expected = jax.grad(lambda e: _steps(_W, xs[0], e, 'by_hand'))(zeros[0])
+    np.testing.assert_allclose(
+        collected[grad_name('h')][0], expected, rtol=1e-5, atol=1e-6
+    )
+
+    one = lambda w, x: jnp.sin(_site(w * x, 0.0, 'perturb'))
+    _, pullback = jax.vjp(lambda w: jax.vmap(lambda x: one(w, x))(xs).sum(), _W)
+    _, collected = capture(pullback)(jnp.float32(1.0))
+    np.testing.assert_allclose(  # d sin(h) / dh, per element
+        collected[grad_name('h')][0], np.cos(_W * xs), rtol=1e-5
+    )

@@ -31,7 +31,7 @@ from flax.nnx.sow import toplevel as _toplevel  # PR: toplevel
 from flax.nnx.sow import accumulators as _accumulators  # PR: reductions
 from flax.nnx.sow.nnx import shims as nnx_shims  # PR: nnx
 from flax.nnx.sow.nnx import state  # PR: nnx
-from flax.nnx.sow.capturing import Collected
+from flax.nnx.sow.collect import Collected
 from flax.nnx.sow.capturing import capture
 from flax.nnx.sow.collect import collect_rules
 from flax.nnx.sow.inject import intervene  # PR: intervene

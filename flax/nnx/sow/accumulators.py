@@ -55,7 +55,7 @@ from flax.nnx.sow.sites import SowSite
 # after this file.
 from flax.nnx.sow.sites import as_jaxpr
 from flax.nnx.sow.sites import site_annotations
-from flax.nnx.sow.sites import sow_p
+from flax.nnx.sow.primitive import sow_p
 from flax.nnx.sow.sites import sow_sites
 
 

@@ -44,8 +44,8 @@ from flax.nnx.sow.primitive import Name
 from flax.nnx.sow import name_hints  # PR: name_hints
 from flax.nnx.sow.name_hints import UnusedNameWarning  # PR: name_hints
 from flax.nnx.sow.primitive import staging
-from flax.nnx.sow.sites import Selection
-from flax.nnx.sow.sites import tags_of
+from flax.nnx.sow.primitive import Selection
+from flax.nnx.sow.primitive import tags_of
 from flax.nnx.sow.collect import Collector
 from flax.nnx.sow.collect import cached  # PR: toplevel
 from flax.nnx.sow.collect import Collected

@@ -56,7 +56,7 @@ from flax.nnx.sow.primitive import Name
 from flax.nnx.sow.primitive import collectible
 from flax.nnx.sow.primitive import sow_p
 from flax.nnx.sow.sites import SowSite
-from flax.nnx.sow.sites import accepts
+from flax.nnx.sow.primitive import accepts
 from flax.nnx.sow.sites import as_jaxpr
 from flax.nnx.sow.sites import construct_name
 from flax.nnx.sow.sites import renamed  # PR: toplevel
@@ -154,8 +154,9 @@ class EntrySpec(tp.NamedTuple):
   # a cotangents.BranchOrdinal.
   ordinal: tp.Any = None
   # For 'cotangent': per leading mapped axis of its leaves, the loops of
-  # ``f`` inside that ``vmap`` not yet stacked (see primitive.py).
-  loops_mapped: tuple[int, ...] = ()  # PR: perturb
+  # ``f`` inside that ``vmap`` not yet stacked, or ``LOOPS_UNKNOWN`` (see
+  # primitive.py).
+  loops_mapped: tuple[int, ...] | str = ()  # PR: perturb
 
   @classmethod
   def of_sow(cls, p: dict[str, tp.Any], size: int) -> EntrySpec:

@@ -53,7 +53,7 @@ from flax.nnx.sow import loop_index
 from flax.nnx.sow import names as names_lib
 from flax.nnx.sow.capturing import capture as capture_transform
 from flax.nnx.sow.capturing import check_tags
-from flax.nnx.sow.sites import accepts
+from flax.nnx.sow.primitive import accepts
 from flax.nnx.sow.sites import as_jaxpr
 from flax.nnx.sow.collect import cached
 from flax.nnx.sow.collect import interpret

@@ -128,7 +128,8 @@ sow_p.multiple_results = True
 #   broadcast, and on its cotangent): per leading mapped axis, the
 #   ``lax.scan`` loops between that ``vmap`` and the marker that a capture
 #   has not stacked yet (``with_loops_mapped``); ``pending_loops`` is that
-#   count for the ``vmap`` batching the marker now.
+#   count for the ``vmap`` batching the marker now. ``LOOPS_UNKNOWN`` on a
+#   marker batched while no capture staged.
 # * ``zero_tangent`` (only on a sow an ``intervene`` replaces by arrays, once
 #   differentiated inside its function): its tangent was taken to be zero,
 #   so the intervene must replace it (``Injector.on_sow``).
@@ -174,7 +175,7 @@ def staging_active() -> bool:
 
 def staging_keys() -> tuple[tp.Any, ...]:  # PR: intervene
   """The keys of the transforms staging now, outermost first: a capture's
-  ``tags`` key (``sites.accepts``), or an ``intervene``'s."""
+  ``tags`` key (``accepts``), or an ``intervene``'s."""
   return _STAGING.value
 
 
@@ -289,7 +290,7 @@ def bind_sow(
     closure: tp.Sequence[tp.Any] = (),
     ordinal: int | None = None,  # PR: perturb
     grad_of: Name | None = None,  # PR: perturb
-    loops_mapped: tuple[int, ...] = (),  # PR: perturb
+    loops_mapped: tuple[int, ...] | str = (),  # PR: perturb
 ) -> list[tp.Any]:
   """Binds ``sow_p`` (effectful while a capture stages)."""
   extra = {}
@@ -382,6 +383,8 @@ def _sow_batch(axis_data, leaves, dims, **params):
   # results keep the operands' own axes, so the sow stays an identity.
   if per_example(params):  # PR: perturb
     params = with_loops_mapped(params)
+  elif _unstaged_marker(params):  # PR: perturb
+    params = dict(params, loops_mapped=LOOPS_UNKNOWN)
   outs = bind_mapped_first(axis_data, leaves, dims, params)
   n = len(outs)  # the closure is batched with the value, not returned
   if per_example(params):  # PR: perturb
@@ -431,6 +434,20 @@ def with_loops_mapped(params: dict[str, tp.Any]) -> dict:  # PR: perturb
   loops = (params.pop('pending_loops', 0), *params.pop('loops_mapped', ()))
   loops = tuple(c for c in loops if c)
   return dict(params, loops_mapped=loops) if loops else params
+
+
+# The ``loops_mapped`` of a ``perturb`` marker that a ``jax.vmap`` batched
+# while no capture staged (a pullback or linear function made before the
+# capture): the loops between them were not counted.
+LOOPS_UNKNOWN = 'unknown'  # PR: perturb
+
+
+def _unstaged_marker(params: dict[str, tp.Any]) -> bool:  # PR: perturb
+  return (
+      params['kind'] == 'perturb'
+      and not params['effect']
+      and not params.get('differentiated', False)
+  )
 
 
 class _Broadcast(threading.local):  # PR: perturb

@@ -19,10 +19,9 @@
   jaxpr, with what each construct around it changes (``site_annotations``:
   the mesh axes a ``shard_map`` adds, the control axes of a ``while``/
   ``cond`` on a per-device predicate).
-* :func:`accepts` and :class:`Selection`: the tag and name filter of a
-  capture (``capture(f, tags=..., names=...)``), defined next to the staging
-  keys in ``primitive.py`` (a sow's JVP asks them) and named here;
-  :class:`NameDecisions`, a ``names=`` callable as a cache key (what it
+* :func:`for_call` and :func:`release`: a capture's filter
+  (``primitive.Selection``, asked by ``primitive.accepts``) for one call, a
+  ``names=`` callable made a cache key (``name_keys.NameDecisions``: what it
   selects, not which object it is).
 * :func:`edit_sows` and the helpers on it: sows turned into remat copies (an
   identity no capture collects), for a second evaluation of a body whose
@@ -43,10 +42,7 @@ from flax.nnx.sow import _jax
 from flax.nnx.sow import name_keys  # PR: name_keys
 from flax.nnx.sow.primitive import HIDDEN  # PR: partial_eval
 from flax.nnx.sow.primitive import Name
-from flax.nnx.sow.primitive import PLAIN_SOWS  # PR: loops
 from flax.nnx.sow.primitive import Selection  # pylint: disable=unused-import
-from flax.nnx.sow.primitive import accepts
-from flax.nnx.sow.primitive import tags_of  # pylint: disable=unused-import
 from flax.nnx.sow.primitive import sow_effect  # PR: toplevel
 from flax.nnx.sow.primitive import sow_p
 

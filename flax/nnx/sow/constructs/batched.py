@@ -50,11 +50,12 @@ from flax.nnx.sow.collect import cached
 from flax.nnx.sow.intervening import replacing
 from flax.nnx.sow.primitive import HOISTED
 from flax.nnx.sow.primitive import KEPT
+from flax.nnx.sow.primitive import LOOPS_UNKNOWN
 from flax.nnx.sow.primitive import bind_sow
 from flax.nnx.sow.primitive import mapped_axis_first
 from flax.nnx.sow.primitive import sow_p
-from flax.nnx.sow.sites import PLAIN_SOWS
-from flax.nnx.sow.sites import accepts
+from flax.nnx.sow.primitive import PLAIN_SOWS
+from flax.nnx.sow.primitive import accepts
 from flax.nnx.sow.sites import sow_sites
 
 
@@ -118,10 +119,24 @@ def steps_behind_mapped(
   mapped = spec.loops_mapped
   if not mapped:
     return spec, leaves
+  if mapped == LOOPS_UNKNOWN:
+    raise _unknown_loops_error(spec)
   # Every count is at least 1 (zeros are dropped): every one of these axes
   # lies outside this loop.
   leaves = [jnp.moveaxis(x, step_axis, step_axis + len(mapped)) for x in leaves]
   return spec._replace(loops_mapped=tuple(c - 1 for c in mapped if c > 1)), leaves
+
+
+def _unknown_loops_error(spec: EntrySpec) -> NotImplementedError:
+  return NotImplementedError(
+      f'capture: the cotangent of perturb {spec.name!r} is stacked by a'
+      ' `lax.scan`, but a `jax.vmap` batched that perturb before the capture'
+      ' (a pullback or linear function made outside it, by `jax.vjp` or'
+      ' `jax.linearize`), so whether the vmap is around the loop or inside'
+      ' its body was not recorded, and the layout of the cotangents'
+      ' ((batch, steps, ...) or (steps, batch, ...)) cannot be told. Call'
+      ' `jax.vjp`/`jax.linearize`/`jax.grad` inside the captured function.'
+  )
 
 
 def _layout_error(spec: EntrySpec) -> NotImplementedError:
@@ -177,21 +192,12 @@ def kept_in_place(closed: _jax.ClosedJaxpr) -> _jax.ClosedJaxpr:
 
 
 def _split_closed(closed):
-  return edit_sows(closed, _split)
-
-
-def _split(eqn, depth):
-  del depth
-  p = eqn.params
-  if not _splits(p):
-    return [eqn]
-  mid = [_jax.Var(v.aval) for v in eqn.outvars]
-  # (A plain sow has no closure operands: the kept half's results are the
-  # whole value.)
-  return [
-      eqn.replace(outvars=mid, params=dict(p, kind=KEPT)),
-      eqn.replace(invars=mid, params=dict(p, kind=HOISTED)),
-  ]
+  jaxpr = _split_jaxpr(closed.jaxpr)
+  return (
+      closed
+      if jaxpr is closed.jaxpr
+      else _jax.ClosedJaxpr(jaxpr, closed.consts)
+  )
 
 
 def _splits(params) -> bool:
@@ -205,33 +211,23 @@ def _splits(params) -> bool:
   )
 
 
-# ----------------------------------------------------------------------------
-# Editing the sow equations of a jaxpr, at any depth.
-
-
-def edit_sows(closed: _jax.ClosedJaxpr, edit, depth: int = 0):
-  """``closed`` with each sow equation ``eqn`` at any depth replaced by the
-  equations ``edit(eqn, loops)`` returns, ``loops`` being ``depth`` plus the
-  ``lax.scan`` loops around ``eqn`` in ``closed``; ``closed`` itself where
-  no equation changes."""
-  jaxpr = _edit_jaxpr(closed.jaxpr, edit, depth)
-  if jaxpr is closed.jaxpr:
-    return closed
-  return _jax.ClosedJaxpr(jaxpr, closed.consts)
-
-
-def _edit_jaxpr(jaxpr: _jax.Jaxpr, edit, depth: int) -> _jax.Jaxpr:
+def _split_jaxpr(jaxpr: _jax.Jaxpr) -> _jax.Jaxpr:
   eqns, changed = [], False
   for eqn in jaxpr.eqns:
     p = eqn.params
     if eqn.primitive is sow_p:
-      new = edit(eqn, depth)
-      changed = changed or len(new) != 1 or new[0] is not eqn
-      eqns.extend(new)
+      if not _splits(p):
+        eqns.append(eqn)
+        continue
+      mid = [_jax.Var(v.aval) for v in eqn.outvars]
+      eqns.append(eqn.replace(outvars=mid, params=dict(p, kind=KEPT)))
+      # (A plain sow has no closure operands: the kept half's results are
+      # the whole value.)
+      eqns.append(eqn.replace(invars=mid, params=dict(p, kind=HOISTED)))
+      changed = True
       continue
     if any(True for _ in _jax.jaxprs_in_params(p)):
-      inner = depth + (eqn.primitive is _jax.scan_p)
-      params = {k: _edit_param(v, edit, inner) for k, v in p.items()}
+      params = {k: _split_param(v) for k, v in p.items()}
       if any(params[k] is not v for k, v in p.items()):
         eqn = eqn.replace(params=params)
         changed = True
@@ -241,14 +237,14 @@ def _edit_jaxpr(jaxpr: _jax.Jaxpr, edit, depth: int) -> _jax.Jaxpr:
   return _jax.edit_jaxpr(jaxpr, eqns, jaxpr.outvars)
 
 
-def _edit_param(value, edit, depth: int):
+def _split_param(value):
   if isinstance(value, _jax.Jaxpr):
-    return _edit_jaxpr(value, edit, depth)
+    return _split_jaxpr(value)
   if isinstance(value, _jax.ClosedJaxpr):
-    return edit_sows(value, edit, depth)
+    return _split_closed(value)
   if isinstance(value, tuple) and any(
       isinstance(v, (_jax.Jaxpr, _jax.ClosedJaxpr)) for v in value
   ):
-    new = tuple(_edit_param(v, edit, depth) for v in value)
+    new = tuple(_split_param(v) for v in value)
     return value if all(a is b for a, b in zip(new, value)) else new
   return value

@@ -61,8 +61,8 @@ from flax.nnx.sow.primitive import MARKER_KINDS
 from flax.nnx.sow.intervening import replacing
 from flax.nnx.sow.intervening import staging_captures
 from flax.nnx.sow.reductions import strong
-from flax.nnx.sow.sites import PLAIN_SOWS
-from flax.nnx.sow.sites import accepts
+from flax.nnx.sow.primitive import PLAIN_SOWS
+from flax.nnx.sow.primitive import accepts
 from flax.nnx.sow.sites import construct_names
 from flax.nnx.sow.accumulators import init_order_sites
 from flax.nnx.sow.sites import sow_sites

@@ -44,7 +44,6 @@ from flax.nnx.sow.collect import collect_rules
 from flax.nnx.sow.collect import rewrite_jaxpr
 from flax.nnx.sow.constructs.adapter import carries_moved
 from flax.nnx.sow.constructs.adapter import hoisted
-from flax.nnx.sow.constructs.batched import edit_sows
 from flax.nnx.sow.constructs.batched import has_plain_sows
 from flax.nnx.sow.constructs.batched import kept_in_place
 from flax.nnx.sow.constructs.batched import mark_order
@@ -54,8 +53,9 @@ from flax.nnx.sow.inject import intervene_rules
 from flax.nnx.sow.inject import one_body
 from flax.nnx.sow.intervening import staging_captures
 from flax.nnx.sow.primitive import per_example
-from flax.nnx.sow.sites import PLAIN_SOWS
+from flax.nnx.sow.primitive import PLAIN_SOWS
 from flax.nnx.sow.sites import construct_names
+from flax.nnx.sow.sites import edit_sows_in
 from flax.nnx.sow.sites import sow_sites
 
 # ----------------------------------------------------------------------------
@@ -144,8 +144,8 @@ def _scan_batcher(jax_rule, axis_data, args, dims, **params):
   if not staging_captures():
     # Nothing a capture could collect: JAX's rule, unchanged.
     return jax_rule(axis_data, args, dims, **params)
-  # A perturb that this vmap broadcasts learns how many loops lie between
-  # them (``primitive.with_loops_mapped``).
+  # A perturb that this vmap broadcasts counts the loops between them
+  # (``primitive.with_loops_mapped``).
   body = _with_loops_pending(params['jaxpr'])
   params = dict(params, jaxpr=body)
   if not has_plain_sows(body):
@@ -167,25 +167,24 @@ def _scan_batcher(jax_rule, axis_data, args, dims, **params):
 
 
 def _with_loops_pending(body: _jax.ClosedJaxpr) -> _jax.ClosedJaxpr:
-  if not any(_pending(s.eqn.params) for s in sow_sites(body.jaxpr)):
+  """``body`` with one more loop counted on each ``per_example`` marker
+  under it, at any depth: this vmap batches the marker inside this loop,
+  and inside every loop of the body that holds it, whose batching adds its
+  own count (``primitive.with_loops_mapped`` takes the sum)."""
+  if not any(per_example(s.eqn.params) for s in sow_sites(body.jaxpr)):
     return body
   return cached(
       body,
       ('loops_pending',),
-      lambda: edit_sows(body, _loops_pending, depth=1),
+      lambda: edit_sows_in(body, _one_more_loop, False),
   )
 
 
-def _pending(params) -> bool:
-  return per_example(params) and 'pending_loops' not in params
-
-
-def _loops_pending(eqn, loops):
-  # The outermost loop this vmap batches marks first; the loops inside it
-  # batch the same marker for the same vmap, and leave it be.
-  if not _pending(eqn.params):
-    return [eqn]
-  return [eqn.replace(params=dict(eqn.params, pending_loops=loops))]
+def _one_more_loop(params, in_custom_call):
+  del in_custom_call
+  if not per_example(params):
+    return None
+  return dict(params, pending_loops=params.get('pending_loops', 0) + 1)
 
 
 _jax_patches.register('scan_batching', _scan_batcher)

@@ -32,7 +32,7 @@ from flax import nnx
 from flax.nnx.sow.inject import values_converters  # PR: nnx_functional
 from flax.nnx.sow import api
 from flax.nnx.sow import primitive
-from flax.nnx.sow.capturing import Collected  # PR: nnx_functional
+from flax.nnx.sow.collect import Collected  # PR: nnx_functional
 
 Name = primitive.Name
 VariableType = type[nnx.Variable]
